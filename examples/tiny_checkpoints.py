@@ -1,0 +1,187 @@
+"""Tiny seeded checkpoints (config.json + model.safetensors) that vLLM loads normally.
+
+Weights are real random tensors, not vLLM's dummy init: that init draws every
+tensor from U(-1e-3, 1e-3) with one seed, which gives near-uniform logits, so
+a wrong recurrent state changes no token and a test built on it cannot fail.
+Here each tensor is U(-scale, scale) from its own seed (derived from the
+checkpoint seed and the tensor name), large enough that a different state
+gives different greedy tokens.
+
+    python examples/tiny_checkpoints.py qwen3_next OUT_DIR [--seed 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+__all__ = ["QWEN3_NEXT_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS"]
+
+QWEN3_NEXT_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": True,
+}
+
+LLAMA_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "attention_bias": False,
+    "mlp_bias": False,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": True,
+}
+
+
+def _qwen3_next_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    h, v = c["hidden_size"], c["vocab_size"]
+    yield "model.embed_tokens.weight", (v, h)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv_dim = 2 * hk * dk + hv * dv
+    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    moe, shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        if kind == "linear_attention":
+            a = f"{p}.linear_attn"
+            yield f"{a}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, h)
+            yield f"{a}.in_proj_ba.weight", (2 * hv, h)
+            yield f"{a}.conv1d.weight", (conv_dim, 1, c["linear_conv_kernel_dim"])
+            yield f"{a}.dt_bias", (hv,)
+            yield f"{a}.A_log", (hv,)
+            yield f"{a}.norm.weight", (dv,)
+            yield f"{a}.out_proj.weight", (h, hv * dv)
+        else:
+            a = f"{p}.self_attn"
+            yield f"{a}.q_proj.weight", (2 * heads * hd, h)  # query + output gate
+            yield f"{a}.k_proj.weight", (kv_heads * hd, h)
+            yield f"{a}.v_proj.weight", (kv_heads * hd, h)
+            yield f"{a}.o_proj.weight", (h, heads * hd)
+            yield f"{a}.q_norm.weight", (hd,)
+            yield f"{a}.k_norm.weight", (hd,)
+        m = f"{p}.mlp"
+        yield f"{m}.gate.weight", (c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            yield f"{m}.experts.{e}.gate_proj.weight", (moe, h)
+            yield f"{m}.experts.{e}.up_proj.weight", (moe, h)
+            yield f"{m}.experts.{e}.down_proj.weight", (h, moe)
+        yield f"{m}.shared_expert.gate_proj.weight", (shared, h)
+        yield f"{m}.shared_expert.up_proj.weight", (shared, h)
+        yield f"{m}.shared_expert.down_proj.weight", (h, shared)
+        yield f"{m}.shared_expert_gate.weight", (1, h)
+
+
+def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    yield "model.embed_tokens.weight", (v, h)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+    for i in range(c["num_hidden_layers"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        yield f"{p}.self_attn.q_proj.weight", (heads * hd, h)
+        yield f"{p}.self_attn.k_proj.weight", (kv_heads * hd, h)
+        yield f"{p}.self_attn.v_proj.weight", (kv_heads * hd, h)
+        yield f"{p}.self_attn.o_proj.weight", (h, heads * hd)
+        yield f"{p}.mlp.gate_proj.weight", (inter, h)
+        yield f"{p}.mlp.up_proj.weight", (inter, h)
+        yield f"{p}.mlp.down_proj.weight", (h, inter)
+
+
+CHECKPOINTS = {
+    "qwen3_next": (QWEN3_NEXT_CONFIG, _qwen3_next_tensors),
+    "llama": (LLAMA_CONFIG, _llama_tensors),
+}
+
+
+def _seeded_uniform(name: str, shape: tuple[int, ...], seed: int, scale: float) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return (torch.rand(shape, generator=gen) * 2 - 1) * scale
+
+
+def write_checkpoint(kind: str, out_dir: str | Path, *, seed: int = 0, scale: float = 0.2) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` for ``kind`` into ``out_dir``."""
+    from safetensors.torch import save_file
+
+    config, tensors = CHECKPOINTS[kind]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {
+        name: _seeded_uniform(name, shape, seed, scale).to(torch.bfloat16)
+        for name, shape in tensors(config)
+    }
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("kind", choices=sorted(CHECKPOINTS))
+    ap.add_argument("out_dir")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=0.2)
+    args = ap.parse_args()
+    print(write_checkpoint(args.kind, args.out_dir, seed=args.seed, scale=args.scale))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""Scheduling scenarios that expose vllm#51562 in a real vLLM engine (one engine per run).
+
+    isolated : R3 (a one-token prompt) alone in a fresh engine: the reference.
+    poisoned : R1 runs and finishes, leaving its state slot dirty; R2 keeps
+               decoding; R3 is admitted next to R2 in a step where every row
+               has one token, on R1's recycled slot.
+
+    python examples/vllm_scenarios.py poisoned --model DIR --guard on --out result.json
+
+Each run is its own process: vLLM engines do not share a process cleanly,
+and a fresh engine is what "isolated" means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
+
+R1_PROMPT, R1_TOKENS = list(range(10, 18)), 4
+R2_PROMPT, R2_TOKENS = list(range(30, 36)), 24
+R3_PROMPT, R3_TOKENS = [7], 8
+
+
+def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None):
+    from vllm import LLM
+
+    compilation_config: dict = {}
+    if guard:
+        from gdn_pass.vllm import GDNStatePass
+
+        compilation_config["inductor_compile_config"] = {
+            "post_grad_custom_post_pass": GDNStatePass(report_dir=report_dir)
+        }
+    return LLM(
+        model=model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=not compile,
+        max_model_len=256,
+        max_num_seqs=4,
+        seed=0,
+        # Few blocks: a freed request's state block is handed out again at once.
+        num_gpu_blocks_override=9,
+        # On CPU this fraction reserves host memory; the tiny model needs little.
+        gpu_memory_utilization=0.3,
+        compilation_config=compilation_config or None,
+    )
+
+
+class StepRecorder:
+    """Records what the GDN builder saw on each step (row kinds, slots)."""
+
+    def __init__(self):
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+        self.steps: list[dict] = []
+        original = GDNAttentionMetadataBuilder.build
+
+        def build(builder, common_prefix_len, m, *args, **kwargs):
+            md = original(builder, common_prefix_len, m, *args, **kwargs)
+            qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
+            computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
+            slots = md.non_spec_state_indices_tensor
+            self.steps.append(
+                dict(
+                    query_lens=qlens.tolist(),
+                    num_computed_tokens=computed.tolist(),
+                    num_decodes=md.num_decodes,
+                    num_prefills=md.num_prefills,
+                    state_slots=None if slots is None else slots.tolist(),
+                )
+            )
+            return md
+
+        GDNAttentionMetadataBuilder.build = build
+
+    def fresh_decode_steps(self) -> list[dict]:
+        """Steps where a brand-new row was classified as a decode (the bug's trigger)."""
+        return [
+            s for s in self.steps
+            if s["num_prefills"] == 0
+            and any(c == 0 and q == 1 for c, q in zip(s["num_computed_tokens"], s["query_lens"]))
+        ]
+
+
+def run(scenario: str, llm, recorder: StepRecorder) -> dict:
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    finished: dict[str, dict] = {}
+
+    def add(rid, prompt, max_tokens):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+
+    def step_until(done):
+        for _ in range(500):
+            if done() or not engine.has_unfinished_requests():
+                return
+            for out in engine.step():
+                if out.finished:
+                    c = out.outputs[0]
+                    finished[out.request_id] = dict(
+                        tokens=list(c.token_ids),
+                        logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                    )
+        raise RuntimeError("scenario did not finish in 500 steps")
+
+    if scenario == "poisoned":
+        add("R1", R1_PROMPT, R1_TOKENS)
+        add("R2", R2_PROMPT, R2_TOKENS)
+        step_until(lambda: "R1" in finished)
+    add("R3", R3_PROMPT, R3_TOKENS)
+    step_until(lambda: "R3" in finished and (scenario != "poisoned" or "R2" in finished))
+    return dict(
+        requests={k.split("-")[0]: v for k, v in finished.items()},
+        fresh_decode_steps=len(recorder.fresh_decode_steps()),
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("scenario", choices=["isolated", "poisoned"])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--guard", choices=["on", "off"], default="off")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no graph)")
+    ap.add_argument("--report-dir", default=None)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+
+    import vllm
+
+    start = time.time()
+    recorder = StepRecorder()
+    llm = make_llm(args.model, guard=args.guard == "on", compile=not args.eager,
+                   report_dir=args.report_dir)
+    started = time.time()
+    result = run(args.scenario, llm, recorder)
+    result.update(
+        scenario=args.scenario, guard=args.guard, compiled=not args.eager,
+        vllm=vllm.__version__, engine_start_s=round(started - start, 1),
+        run_s=round(time.time() - started, 1),
+    )
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

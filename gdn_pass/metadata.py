@@ -1,0 +1,143 @@
+"""Padding-aware per-row state metadata, staged in persistent buffers.
+
+A GDN layer must read a row's recurrent/conv state slot only when the row
+already has state. Engines decide that per step, on the host; a captured
+CUDA graph, however, only ever sees the addresses it was captured with. So
+the per-row facts live in buffers allocated once, sized for the largest
+batch, and refreshed in place before every step:
+
+    rows (max_rows)        0      1      2      3 ...  n-1 | n ... max_rows-1
+    has_initial_state      T      F      T      T       T  | F ...
+    valid                  T      T      T      F       T  | F ...   (padding)
+    state_slot             17     4      9     -1       2  | -1 ...
+
+    fresh row   = valid & ~has_initial_state   -> state must read as zero
+    padding row = ~valid                       -> must neither read nor write
+
+A row is padding when its query length is zero or its slot id is a padding
+sentinel (``-1``, vLLM's ``PAD_SLOT_ID``; ``0``, vLLM's ``NULL_BLOCK_ID``
+since vllm#39064). Rows past the staged batch are padding too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["StagedRowMetadata", "MetadataError"]
+
+
+class MetadataError(ValueError):
+    """Per-row metadata that cannot describe the batch (shape, dtype, device)."""
+
+
+class StagedRowMetadata:
+    """Persistent per-row buffers: ``has_initial_state``, ``valid``, ``state_slot``.
+
+    Args:
+        max_rows: the largest batch (rows, not tokens) ever staged.
+        device: where the consumers (the compiled graph, the state guard) run.
+        pad_slot_ids: slot ids that mark a padding row.
+
+    Buffers (all of shape ``[max_rows]``, allocated once, never reallocated):
+        has_initial_state: bool, the row has computed tokens before this step.
+        valid: bool, the row is a real request row.
+        state_slot: int64, the state slot the row reads and writes, or the
+            first padding sentinel for padding rows.
+    """
+
+    def __init__(
+        self,
+        max_rows: int,
+        device: torch.device | str = "cpu",
+        pad_slot_ids: Iterable[int] = (-1,),
+    ):
+        if max_rows <= 0:
+            raise MetadataError(f"max_rows must be positive, got {max_rows}")
+        self.max_rows = int(max_rows)
+        self.device = torch.device(device)
+        self.pad_slot_ids = tuple(int(s) for s in pad_slot_ids)
+        if not self.pad_slot_ids:
+            raise MetadataError("pad_slot_ids must name at least one sentinel")
+        self.has_initial_state = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
+        self.valid = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
+        self.state_slot = torch.full(
+            (max_rows,), self.pad_slot_ids[0], dtype=torch.int64, device=self.device
+        )
+        self.num_rows = 0
+
+    def stage(
+        self,
+        *,
+        num_computed_tokens: torch.Tensor,
+        query_lens: torch.Tensor,
+        state_slots: torch.Tensor,
+    ) -> None:
+        """Refresh the buffers in place for one step of ``n`` rows.
+
+        Args:
+            num_computed_tokens: ``[n]`` integer, tokens each row computed before
+                this step (0 for a brand-new request).
+            query_lens: ``[n]`` integer, tokens each row runs this step
+                (0 for a padding row).
+            state_slots: ``[n]`` integer, the state slot of each row.
+
+        Rows ``n .. max_rows-1`` become padding. Inputs may live on any device;
+        the copies are asynchronous and never synchronize the host.
+        """
+        n = self._check_rows(
+            num_computed_tokens=num_computed_tokens,
+            query_lens=query_lens,
+            state_slots=state_slots,
+        )
+        slots = state_slots.to(self.device, non_blocking=True)
+        is_pad_slot = torch.zeros_like(slots, dtype=torch.bool)
+        for sentinel in self.pad_slot_ids:
+            is_pad_slot |= slots == sentinel
+        valid = (query_lens.to(self.device, non_blocking=True) > 0) & ~is_pad_slot
+
+        self.valid[:n].copy_(valid)
+        self.has_initial_state[:n].copy_(num_computed_tokens > 0, non_blocking=True)
+        self.state_slot[:n].copy_(torch.where(valid, slots, self.pad_slot_ids[0]))
+        self.valid[n:].fill_(False)
+        self.has_initial_state[n:].fill_(False)
+        self.state_slot[n:].fill_(self.pad_slot_ids[0])
+        self.num_rows = n
+
+    def fresh_rows(self) -> torch.Tensor:
+        """``[max_rows]`` bool: real rows that have no prior state."""
+        return self.valid & ~self.has_initial_state
+
+    def fresh_slots(self) -> torch.Tensor:
+        """Slot ids of the fresh rows (data-dependent size: host sync on GPU)."""
+        return self.state_slot[self.fresh_rows()]
+
+    def _check_rows(self, **tensors: torch.Tensor) -> int:
+        sizes = set()
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise MetadataError(f"{name} must be a tensor, got {type(t).__name__}")
+            if t.dim() != 1:
+                raise MetadataError(
+                    f"{name} must be 1-D [num_rows], got shape {tuple(t.shape)}"
+                )
+            if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+                raise MetadataError(f"{name} must be an integer tensor, got {t.dtype}")
+            sizes.add(t.numel())
+        if len(sizes) != 1:
+            shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+            raise MetadataError(f"per-row inputs disagree on the number of rows: {shapes}")
+        n = sizes.pop()
+        if n > self.max_rows:
+            raise MetadataError(
+                f"batch of {n} rows exceeds the staged capacity of {self.max_rows}; "
+                "size the metadata for the largest batch the engine can schedule"
+            )
+        return n
+
+    def __repr__(self) -> str:
+        return (
+            f"StagedRowMetadata(max_rows={self.max_rows}, device={self.device}, "
+            f"pad_slot_ids={self.pad_slot_ids}, num_rows={self.num_rows})"
+        )

@@ -1,0 +1,217 @@
+"""GDNStatePass: guard recurrent-state reads so fresh rows read zero state.
+
+Opaque engine ops (vLLM's GDN core ops) keep their node; only the target
+changes, to a guarded op of the same schema that zeroes the state slots of
+rows with ``valid & ~has_initial_state`` before it runs the original::
+
+    before:
+        auto_functionalized(vllm.cpu_gdn_attention_core.default,
+                            mixed_qkv=q, b=b, a=a, core_attn_out=o,
+                            layer_name='model.layers.0.linear_attn')
+    after:
+        auto_functionalized(gdn_pass.guarded_cpu_gdn_attention_core.default,
+                            mixed_qkv=q, b=b, a=a, core_attn_out=o,
+                            layer_name='model.layers.0.linear_attn')
+
+Keeping the guard inside the op's own node means it cannot be dead-code
+eliminated or scheduled after the op, and mutation/aliasing information is
+unchanged. The pass is idempotent: a node already on a guarded op is counted,
+not wrapped again. A graph with no GDN layer is left unchanged and reported.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import inspect
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from gdn_pass import opaque_ops, report as report_mod
+from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP
+from gdn_pass.report import PassReport, StateRead
+
+__all__ = ["GDNStatePass", "GUARDED_NAMESPACE"]
+
+from gdn_pass._logging import logger
+
+GUARDED_NAMESPACE = "gdn_pass"
+
+# Which module makes guarded variants of an engine's ops, by op namespace.
+_GUARD_PROVIDERS = {"vllm": "gdn_pass.vllm.guarded_ops"}
+
+# Modules whose source decides what the pass does to a graph (uuid input).
+_BEHAVIOUR_MODULES = (
+    "gdn_pass.state_pass",
+    "gdn_pass.opaque_ops",
+    "gdn_pass.vllm.guarded_ops",
+    "gdn_pass.vllm.state_guard",
+)
+
+_AUTO_FUNCTIONALIZED = tuple(
+    getattr(torch.ops.higher_order, name)
+    for name in ("auto_functionalized", "auto_functionalized_v2")
+    if hasattr(torch.ops.higher_order, name)
+)
+
+
+class GDNStatePass(CustomGraphPass):
+    """Inductor post-grad pass that guards GDN recurrent-state reads.
+
+    Use as ``torch.compile(model, options={"post_grad_custom_post_pass":
+    GDNStatePass()})``. For vLLM, use ``gdn_pass.vllm.GDNStatePass``.
+
+    Args:
+        guard_opaque_ops: swap known engine GDN core ops for guarded variants.
+        report_dir: where each graph's report is written (JSON + text); the
+            environment variable ``GDN_PASS_REPORT_DIR`` is used when unset.
+            Not part of ``uuid()``: it does not change the compiled graph.
+    """
+
+    def __init__(self, *, guard_opaque_ops: bool = True, report_dir: str | None = None):
+        self.guard_opaque_ops = guard_opaque_ops
+        self.report_dir = report_dir
+
+    # -- configuration ---------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        """Options that change the rewritten graph (hashed into ``uuid()``)."""
+        return {"guard_opaque_ops": self.guard_opaque_ops}
+
+    def uuid(self) -> str:
+        hasher = hashlib.sha256()
+        hasher.update(f"{type(self).__module__}.{type(self).__qualname__}".encode())
+        hasher.update(json.dumps(self.options(), sort_keys=True).encode())
+        for name in _BEHAVIOUR_MODULES:
+            hasher.update(inspect.getsource(importlib.import_module(name)).encode())
+        return hasher.hexdigest()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.options()})"
+
+    # -- the pass --------------------------------------------------------
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        start = time.perf_counter()
+        _dump_graph("gdn_pass_before", graph)
+        before = str(graph)
+        report = PassReport(
+            pass_name=f"{type(self).__module__}.{type(self).__qualname__}",
+            pass_uuid=self.uuid(),
+            options=self.options(),
+            num_nodes=len(graph.nodes),
+            analyses=["opaque_ops"],
+            versions=_versions(),
+        )
+        for node, op in _opaque_op_calls(graph):
+            report.reads.append(self._guard_opaque_call(node, op))
+        graph.lint()
+        report.graph_changed = str(graph) != before
+        _dump_graph("gdn_pass_after", graph)
+        report.seconds = time.perf_counter() - start
+        report_mod.record(report, self.report_dir)
+        level = logging.WARNING if report.left_alone else logging.INFO
+        logger.log(level, "%s", report.summary())
+
+    def _guard_opaque_call(self, node: torch.fx.Node, op: torch._ops.OpOverload) -> StateRead:
+        qualname = op.name()
+        namespace = qualname.split("::")[0]
+        spec = KNOWN_OPAQUE_STATE_OPS.get(qualname)
+        read = StateRead(
+            node=node.name, kind="opaque_op", op=qualname,
+            layer=_layer_name(node, spec), action="left_alone", reason="",
+        )
+        if namespace == GUARDED_NAMESPACE:
+            read.action, read.reason = "already_guarded", "node already calls a guarded op"
+            return read
+        if spec is None:
+            read.reason = (
+                "unknown op whose name suggests GDN/KDA state; add it to "
+                "gdn_pass.opaque_ops.KNOWN_OPAQUE_STATE_OPS once its state access is known"
+            )
+            logger.warning("%s left unguarded: not a known GDN core op", qualname)
+            return read
+        mismatch = opaque_ops.schema_mismatch(op, spec)
+        if mismatch is not None:
+            read.reason = f"schema changed ({mismatch}); vLLM version not supported"
+            logger.warning(
+                "%s left unguarded: %s (vLLM %s). Upgrade gdn-pass or "
+                "report the new schema.", qualname, mismatch, _versions().get("vllm"),
+            )
+            return read
+        if not self.guard_opaque_ops:
+            read.reason = "guard_opaque_ops=False"
+            return read
+        provider = importlib.import_module(_GUARD_PROVIDERS[namespace])
+        guarded = provider.guarded_overload(op, spec)
+        if node.target in _AUTO_FUNCTIONALIZED:
+            node.args = (guarded, *node.args[1:])
+        else:
+            node.target = guarded
+        read.action = "guarded_op"
+        read.reason = f"target swapped to {guarded.name()} (same schema)"
+        return read
+
+
+def _opaque_op_calls(graph: torch.fx.Graph):
+    """(node, op) for every call of a known or GDN-looking op, direct or wrapped."""
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        op = node.target
+        if op in _AUTO_FUNCTIONALIZED and node.args:
+            op = node.args[0]
+        if not isinstance(op, torch._ops.OpOverload):
+            continue
+        qualname = op.name()
+        namespace, _, name = qualname.partition("::")
+        if qualname in KNOWN_OPAQUE_STATE_OPS or (
+            namespace in (*_GUARD_PROVIDERS, GUARDED_NAMESPACE) and LOOKS_LIKE_STATE_OP.search(name)
+        ):
+            yield node, op
+
+
+def _layer_name(node: torch.fx.Node, spec) -> str | None:
+    if spec is None:
+        value = node.kwargs.get("layer_name")
+    elif spec.layer_arg in node.kwargs:
+        value = node.kwargs[spec.layer_arg]
+    else:
+        # Direct call: positional args follow the schema order.
+        idx = spec.layer_arg_index
+        value = node.args[idx] if idx < len(node.args) else None
+    if isinstance(value, torch.fx.Node):
+        # Hoisted opaque values (vLLM's LayerName on torch >= 2.11) are graph
+        # inputs; their example value still names the layer.
+        value = value.meta.get("val", value.meta.get("example_value"))
+        value = getattr(value, "real_obj", getattr(value, "wrapped_obj", value))
+    value = getattr(value, "value", value)  # vLLM's LayerName wraps a str
+    return value if isinstance(value, str) else None
+
+
+def _dump_graph(name: str, graph: torch.fx.Graph) -> None:
+    # Same channel as Inductor's and vLLM's passes: depyf and TORCH_LOGS see it.
+    gm = graph.owning_module
+    if gm is not None:
+        from torch._dynamo.utils import lazy_format_graph_code
+
+        logger.debug("%s", lazy_format_graph_code(name, gm))
+
+
+def _versions() -> dict[str, str]:
+    versions = {"torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+
+        versions["gdn_pass"] = version("gdn-pass")
+    except Exception:
+        pass
+    import sys
+
+    vllm = sys.modules.get("vllm")
+    if vllm is not None:
+        versions["vllm"] = getattr(vllm, "__version__", "unknown")
+    return versions

@@ -1,0 +1,144 @@
+"""Stage per-row freshness for vLLM's GDN metadata, derived from the scheduler.
+
+Wraps ``GDNAttentionMetadataBuilder.build``. The builder's own decode/prefill
+split is exactly what is wrong (a fresh one-token row counts as a decode and
+gets ``has_initial_state=None``), so the rows are derived from the scheduler's
+``CommonAttentionMetadata`` instead:
+
+    has_initial_state[i] = num_computed_tokens[i] > 0
+    valid[i]             = query_len[i] > 0 and state_slot[i] not a sentinel
+
+for the builder's non-speculative rows, in the order of
+``non_spec_state_indices_tensor``. The rows live in one ``StagedRowMetadata``
+per builder (persistent buffers, refreshed in place) and are attached to the
+built metadata, where the guarded ops find them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from gdn_pass.metadata import MetadataError, StagedRowMetadata
+from gdn_pass.vllm import compat
+from gdn_pass.vllm.state_guard import ROWS_ATTR
+
+__all__ = ["install", "is_installed", "stage_rows"]
+
+from gdn_pass._logging import logger
+
+_MARK = "__gdn_pass_wrapped__"
+_BUILDER_ROWS = "_gdn_pass_rows"
+_warned: set[str] = set()
+
+
+def _builder_class():
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    return GDNAttentionMetadataBuilder
+
+
+def is_installed() -> bool:
+    return getattr(_builder_class().build, _MARK, False)
+
+
+def install() -> bool:
+    """Wrap the GDN builder's ``build`` (idempotent). True if it was newly wrapped."""
+    builder = _builder_class()
+    if getattr(builder.build, _MARK, False):
+        return False
+    original = builder.build
+
+    @functools.wraps(original)
+    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
+        metadata = original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+        rows = self.__dict__.get(_BUILDER_ROWS)
+        if rows is None:
+            rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self)
+            _check_compilation(self.vllm_config)
+        stage_rows(rows, common_attn_metadata, metadata)
+        setattr(metadata, ROWS_ATTR, rows)
+        return metadata
+
+    setattr(build, _MARK, True)
+    builder.build = build
+    return True
+
+
+def _new_rows(builder) -> StagedRowMetadata:
+    cfg = builder.vllm_config
+    max_rows = max(
+        cfg.scheduler_config.max_num_seqs,
+        getattr(builder, "decode_cudagraph_max_bs", 0),
+        cfg.compilation_config.max_cudagraph_capture_size or 0,
+    )
+    return StagedRowMetadata(max_rows, device=builder.device, pad_slot_ids=compat.pad_slot_ids())
+
+
+def stage_rows(rows: StagedRowMetadata, common, metadata) -> None:
+    """Refresh ``rows`` for one step from vLLM's common and GDN metadata."""
+    slots = metadata.non_spec_state_indices_tensor
+    if slots is None:  # all rows are speculative decodes: every row has state
+        empty = torch.zeros(0, dtype=torch.int64)
+        rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
+        return
+    num_reqs = common.num_reqs
+    query_lens = common.query_start_loc_cpu[1 : num_reqs + 1] - common.query_start_loc_cpu[:num_reqs]
+    computed = _num_computed_tokens(common, query_lens)
+    if metadata.spec_sequence_masks is not None:
+        non_spec = ~metadata.spec_sequence_masks[:num_reqs].cpu()
+        query_lens, computed = query_lens[non_spec], computed[non_spec]
+    if query_lens.numel() != slots.numel():
+        raise MetadataError(
+            f"GDN metadata has {slots.numel()} state slots for {query_lens.numel()} "
+            f"scheduler rows (vLLM {compat.vllm_version()}); this builder layout is "
+            "not supported by gdn-pass"
+        )
+    rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots)
+
+
+def _num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:
+    """Tokens computed before this step, per row, without a device sync if possible."""
+    num_reqs = query_lens.numel()
+    for field in ("seq_lens_cpu_upper_bound", "seq_lens_cpu"):
+        # Upper bounds are exact for prefill rows and only over-estimate
+        # decode rows, which have state either way.
+        seq_lens = getattr(common, field, None)
+        if seq_lens is not None:
+            return seq_lens[:num_reqs] - query_lens
+    computed = getattr(common, "num_computed_tokens_cpu", None)
+    if computed is not None:
+        return computed[:num_reqs]
+    return common.compute_num_computed_tokens()[:num_reqs]
+
+
+def _check_compilation(vllm_config) -> None:
+    """Say once per process when the guard cannot run."""
+    from gdn_pass.vllm.gdn_state_pass import GDNStatePass
+
+    cc = vllm_config.compilation_config
+    mode = int(getattr(cc, "mode", 0) or 0)
+    if mode == 0 or vllm_config.model_config.enforce_eager:
+        _warn_once(
+            "eager",
+            "this engine runs without compilation (enforce_eager=True or "
+            "compilation mode NONE), so there is no graph to guard: a fresh one-token "
+            "request scheduled next to decodes can still read a recycled state slot "
+            "(vllm#51562). Enable compilation to get the fix.",
+        )
+        return
+    configured = cc.inductor_compile_config.get("post_grad_custom_post_pass")
+    if not isinstance(configured, GDNStatePass):
+        _warn_once(
+            "unconfigured",
+            "plugin installed but GDNStatePass is not in "
+            "compilation_config['inductor_compile_config']['post_grad_custom_post_pass']; "
+            "GDN state reads are not guarded.",
+        )
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)

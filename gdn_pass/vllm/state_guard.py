@@ -1,0 +1,63 @@
+"""Zero the state slots of fresh rows, inside a vLLM GDN core op, before it reads them.
+
+Runs eagerly inside the guarded op (see ``guarded_ops``), where vLLM's own
+kernels run: it finds the layer and this step's staged rows through vLLM's
+forward context, exactly as the original op finds its caches.
+
+    fresh = rows.valid & ~rows.has_initial_state
+    for cache in layer.kv_cache:          # conv state, recurrent state, ...
+        cache[rows.state_slot[fresh]] = 0
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gdn_pass.metadata import StagedRowMetadata
+
+__all__ = ["ROWS_ATTR", "GuardError", "zero_fresh_state"]
+
+# Attribute under which the metadata hook attaches the staged rows to the
+# layer's GDNAttentionMetadata for the step.
+ROWS_ATTR = "gdn_pass_rows"
+
+
+class GuardError(RuntimeError):
+    pass
+
+
+def zero_fresh_state(layer_name: str) -> None:
+    from vllm.forward_context import get_forward_context
+
+    context = get_forward_context()
+    all_metadata = context.attn_metadata
+    if all_metadata is None:  # profiling / dummy run: the op itself does nothing
+        return
+    layer = context.no_compile_layers[layer_name]
+    if isinstance(all_metadata, list):
+        raise GuardError(
+            "gdn-pass does not support micro-batched (DBO) attention metadata yet; "
+            "disable dual-batch overlap or remove GDNStatePass from the config"
+        )
+    metadata = all_metadata.get(getattr(layer, "prefix", layer_name))
+    if metadata is None:
+        return
+    rows: StagedRowMetadata | None = getattr(metadata, ROWS_ATTR, None)
+    if rows is None:
+        raise GuardError(
+            f"no staged gdn-pass rows on {type(metadata).__name__} of {layer_name}: "
+            "the metadata hook is not installed in this process. Install gdn-pass "
+            "(its vllm.general_plugins entry point installs the hook) or call "
+            "gdn_pass.vllm.install() before the engine starts."
+        )
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise GuardError(
+            "gdn-pass's op-level guard cannot run inside CUDA-graph capture yet "
+            "(data-dependent slot selection); keep GDN core ops as splitting ops "
+            "(vLLM's default) so they run outside the captured graph"
+        )
+    slots = rows.fresh_slots()
+    if slots.numel() == 0:
+        return
+    for cache in layer.kv_cache:
+        cache.index_fill_(0, slots.to(cache.device), 0)
