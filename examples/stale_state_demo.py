@@ -33,16 +33,25 @@ LOGPROB_TOL = 1e-4
 
 
 def run_scenario(
-    name: str, model: Path, workdir: Path, *, python: str = sys.executable, eager: bool = False
+    scenario: str,
+    guard: str,
+    model: Path,
+    workdir: Path,
+    *,
+    name: str | None = None,
+    python: str = sys.executable,
+    eager: bool = False,
 ) -> dict:
-    """Run one scenario in a fresh process; returns its result and log path."""
-    scenario, guard = RUNS[name]
+    """Run one scenario in a fresh engine process; returns its result (plus log path)."""
+    name = name or f"{scenario}_{guard}"
+    workdir.mkdir(parents=True, exist_ok=True)
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
     cmd = [python, "-m", "examples.vllm_scenarios", scenario, "--model", str(model),
            "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
     if eager:
         cmd.append("--eager")
-    env = dict(os.environ, VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
+    env = dict(os.environ)
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     root = Path(__file__).resolve().parents[1]
     with open(log, "w") as f:
         proc = subprocess.run(cmd, cwd=root, env=env, stdout=f, stderr=subprocess.STDOUT)
@@ -51,6 +60,7 @@ def run_scenario(
         raise RuntimeError(f"scenario {name} failed (exit {proc.returncode}); log {log}:\n{tail}")
     result = json.loads(out.read_text())
     result["log"] = str(log)
+    result["report_dir"] = str(workdir / f"reports_{name}")
     return result
 
 
@@ -67,15 +77,19 @@ def compare(reference: dict, candidate: dict) -> dict:
     )
 
 
-def run_demo(workdir: Path, *, python: str = sys.executable, progress=print) -> dict:
+def run_demo(
+    workdir: Path, *, model: Path | None = None, python: str = sys.executable, progress=print
+) -> dict:
     workdir.mkdir(parents=True, exist_ok=True)
-    model = write_checkpoint("qwen3_next", workdir / "tiny_qwen3_next", seed=0)
-    progress(f"wrote tiny Qwen3-Next checkpoint to {model}")
+    if model is None:
+        model = write_checkpoint("qwen3_next", workdir / "tiny_qwen3_next", seed=0)
+        progress(f"wrote tiny Qwen3-Next checkpoint to {model}")
     results = {}
     for name in RUNS:
         start = time.time()
         progress(f"running {name} (fresh vLLM engine, compiled) ...")
-        results[name] = run_scenario(name, model, workdir, python=python)
+        scenario, guard = RUNS[name]
+        results[name] = run_scenario(scenario, guard, model, workdir, name=name, python=python)
         progress(f"  done in {time.time() - start:.0f}s")
     iso = results["isolated"]["requests"]["R3"]
     summary = {

@@ -1,0 +1,120 @@
+"""StagedRowMetadata: per-row freshness and padding, in persistent buffers.
+
+Expected values come from row descriptions written out by hand (what kind of
+row each one is), not from the code under test.
+"""
+
+import random
+
+import pytest
+import torch
+
+from gdn_pass.metadata import MetadataError, StagedRowMetadata
+
+# kind: (num_computed_tokens, query_len, slot) -> (has_initial_state, valid)
+ROW_KINDS = {
+    "fresh_prefill": ((0, 8, 5), (False, True)),
+    "fresh_one_token": ((0, 1, 6), (False, True)),  # the bug's row
+    "decode": ((12, 1, 7), (True, True)),
+    "continued_chunk": ((64, 32, 8), (True, True)),
+    "one_token_continued_chunk": ((64, 1, 9), (True, True)),
+    "pad_zero_query": ((0, 0, 3), (False, False)),
+    "pad_slot_minus_one": ((0, 1, -1), (False, False)),
+    "pad_slot_null_block": ((0, 1, 0), (False, False)),
+}
+
+
+def stage(rows: StagedRowMetadata, kinds: list[str]) -> None:
+    computed, qlens, slots = zip(*(ROW_KINDS[k][0] for k in kinds)) if kinds else ((), (), ())
+    rows.stage(
+        num_computed_tokens=torch.tensor(computed, dtype=torch.int32),
+        query_lens=torch.tensor(qlens, dtype=torch.int32),
+        state_slots=torch.tensor(slots, dtype=torch.int32),
+    )
+
+
+def expected(kinds: list[str], max_rows: int):
+    has_init = [ROW_KINDS[k][1][0] for k in kinds] + [False] * (max_rows - len(kinds))
+    valid = [ROW_KINDS[k][1][1] for k in kinds] + [False] * (max_rows - len(kinds))
+    return torch.tensor(has_init), torch.tensor(valid)
+
+
+@pytest.mark.parametrize("kind", sorted(ROW_KINDS))
+def test_each_row_kind(kind):
+    rows = StagedRowMetadata(4, pad_slot_ids=(-1, 0))
+    stage(rows, [kind])
+    has_init, valid = expected([kind], 4)
+    assert torch.equal(rows.has_initial_state, has_init)
+    assert torch.equal(rows.valid, valid)
+    fresh = kind.startswith("fresh")
+    assert rows.fresh_slots().tolist() == ([ROW_KINDS[kind][0][2]] if fresh else [])
+
+
+def test_null_block_is_live_when_not_a_sentinel():
+    # Older vLLM pads with -1 only; slot 0 is then a real slot.
+    rows = StagedRowMetadata(2, pad_slot_ids=(-1,))
+    stage(rows, ["pad_slot_null_block"])
+    assert rows.valid.tolist() == [True, False]
+    assert rows.fresh_slots().tolist() == [0]
+
+
+def test_padding_rows_never_name_a_live_slot():
+    rows = StagedRowMetadata(6, pad_slot_ids=(-1, 0))
+    stage(rows, ["pad_zero_query", "decode", "pad_slot_minus_one"])
+    assert rows.state_slot.tolist() == [-1, 7, -1, -1, -1, -1]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_random_batches_every_size_storage_fixed(seed):
+    max_rows = 16
+    rows = StagedRowMetadata(max_rows, pad_slot_ids=(-1, 0))
+    storage = {
+        name: getattr(rows, name).untyped_storage().data_ptr()
+        for name in ("has_initial_state", "valid", "state_slot")
+    }
+    rng = random.Random(seed)
+    for n in list(range(0, max_rows + 1)) + [rng.randint(0, max_rows) for _ in range(20)]:
+        kinds = [rng.choice(sorted(ROW_KINDS)) for _ in range(n)]
+        stage(rows, kinds)
+        has_init, valid = expected(kinds, max_rows)
+        assert torch.equal(rows.has_initial_state, has_init), kinds
+        assert torch.equal(rows.valid, valid), kinds
+        assert rows.num_rows == n
+        fresh = [ROW_KINDS[k][0][2] for k in kinds if k.startswith("fresh")]
+        assert rows.fresh_slots().tolist() == fresh
+        for name, ptr in storage.items():
+            assert getattr(rows, name).untyped_storage().data_ptr() == ptr, name
+
+
+def test_too_many_rows():
+    rows = StagedRowMetadata(2)
+    with pytest.raises(MetadataError, match="exceeds the staged capacity of 2"):
+        stage(rows, ["decode"] * 3)
+
+
+def test_rows_disagree():
+    rows = StagedRowMetadata(4)
+    with pytest.raises(MetadataError, match="disagree on the number of rows"):
+        rows.stage(
+            num_computed_tokens=torch.zeros(2, dtype=torch.int64),
+            query_lens=torch.ones(3, dtype=torch.int64),
+            state_slots=torch.ones(2, dtype=torch.int64),
+        )
+
+
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (torch.zeros(2, dtype=torch.float32), "integer tensor"),
+        (torch.zeros(2, 1, dtype=torch.int64), "1-D"),
+        ([0, 0], "must be a tensor"),
+    ],
+)
+def test_bad_inputs(bad, match):
+    rows = StagedRowMetadata(4)
+    with pytest.raises(MetadataError, match=match):
+        rows.stage(
+            num_computed_tokens=bad,
+            query_lens=torch.ones(2, dtype=torch.int64),
+            state_slots=torch.ones(2, dtype=torch.int64),
+        )

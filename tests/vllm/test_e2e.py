@@ -1,0 +1,61 @@
+"""vllm#51562 end to end on vLLM's CPU backend: the compiled graph carries the fix.
+
+Oracle: R3 run alone in a fresh engine. Without the pass the poisoned
+scenario must diverge from it (so this test can fail); with the pass it must
+match, and R2, which was already decoding, must not change.
+"""
+
+import sys
+
+import pytest
+
+import gdn_pass
+from examples.stale_state_demo import LOGPROB_TOL, run_scenario
+
+GDN_LAYERS = 3  # tiny Qwen3-Next: layers 0-2 linear attention, layer 3 full attention
+
+pytestmark = pytest.mark.slow
+
+
+def test_scenario_hits_the_bug_trigger(demo):
+    # R3's first step must be a step of one-token rows classified as decodes.
+    for name in ("pass_off", "pass_on"):
+        assert demo["results"][name]["fresh_decode_steps"] > 0, name
+
+
+def test_pass_off_diverges_from_isolated(demo):
+    off = demo["summary"]["r3_pass_off_vs_isolated"]
+    assert not off["matches"], "without the pass R3 should read R1's stale state"
+
+
+def test_pass_on_matches_isolated(demo):
+    on = demo["summary"]["r3_pass_on_vs_isolated"]
+    assert on["same_tokens"], on
+    assert on["max_logprob_diff"] <= LOGPROB_TOL, on
+
+
+def test_already_decoding_request_unchanged(demo):
+    r2 = demo["summary"]["r2_pass_on_vs_pass_off"]
+    assert r2["same_tokens"] and r2["max_logprob_diff"] == 0.0, r2
+
+
+def test_the_compiled_graph_was_rewritten_once_per_gdn_layer(demo):
+    reports = gdn_pass.load_reports(demo["results"]["pass_on"]["report_dir"])
+    assert reports, "the pass did not run in the engine"
+    guarded = [r for rep in reports for r in rep["reads"] if r["action"] == "guarded_op"]
+    assert len(guarded) == GDN_LAYERS
+    assert sorted(r["layer"] for r in guarded) == [
+        f"model.layers.{i}.linear_attn" for i in range(GDN_LAYERS)
+    ]
+    assert {r["op"] for r in guarded} == {"vllm::cpu_gdn_attention_core"}
+    assert not any(r["action"] == "left_alone" for rep in reports for r in rep["reads"])
+    log = open(demo["results"]["pass_on"]["log"]).read()
+    assert "guarded 3 state read(s) (vllm::cpu_gdn_attention_core x3)" in log
+
+
+def test_eager_engine_warns_once_that_nothing_is_guarded(engine_dir, qwen3_next_checkpoint):
+    result = run_scenario("isolated", "off", qwen3_next_checkpoint, engine_dir / "eager",
+                          eager=True, python=sys.executable)
+    log = open(result["log"]).read()
+    assert log.count("runs without compilation") == 1, log[-2000:]
+    assert "vllm#51562" in log

@@ -1,0 +1,60 @@
+"""zero_fresh_state on poisoned caches: fresh slots zeroed, nothing else touched."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vllm.forward_context
+from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm.state_guard import ROWS_ATTR, GuardError, zero_fresh_state
+
+NUM_SLOTS = 10
+
+
+def poisoned_layer():
+    conv = torch.full((NUM_SLOTS, 3, 8), float("nan"), dtype=torch.bfloat16)
+    ssm = torch.full((NUM_SLOTS, 2, 4, 4), 6.0)
+    return SimpleNamespace(prefix="model.layers.0.linear_attn", kv_cache=(conv, ssm))
+
+
+def install_context(monkeypatch, layer, metadata):
+    context = SimpleNamespace(
+        no_compile_layers={layer.prefix: layer}, attn_metadata={layer.prefix: metadata}
+    )
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+
+
+@pytest.mark.parametrize("sentinel", [-1, 0])
+def test_only_fresh_slots_are_zeroed(monkeypatch, sentinel):
+    layer = poisoned_layer()
+    before = [t.clone() for t in layer.kv_cache]
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
+    # decode on 3, fresh on 5, padding (sentinel), fresh prefill on 9, padding (zero query)
+    rows.stage(
+        num_computed_tokens=torch.tensor([7, 0, 0, 0, 0]),
+        query_lens=torch.tensor([1, 1, 1, 4, 0]),
+        state_slots=torch.tensor([3, 5, sentinel, 9, 2]),
+    )
+    install_context(monkeypatch, layer, SimpleNamespace(**{ROWS_ATTR: rows}))
+    zero_fresh_state(layer.prefix)
+    for cache, old in zip(layer.kv_cache, before):
+        assert torch.equal(cache[[5, 9]], torch.zeros_like(cache[[5, 9]]))
+        untouched = [s for s in range(NUM_SLOTS) if s not in (5, 9)]
+        assert torch.equal(cache[untouched].isnan(), old[untouched].isnan())
+        assert torch.equal(cache[untouched].nan_to_num(), old[untouched].nan_to_num())
+
+
+def test_missing_hook_is_a_clear_error(monkeypatch):
+    layer = poisoned_layer()
+    install_context(monkeypatch, layer, SimpleNamespace())
+    with pytest.raises(GuardError, match="metadata hook is not installed"):
+        zero_fresh_state(layer.prefix)
+
+
+def test_profiling_run_without_metadata_is_a_no_op(monkeypatch):
+    layer = poisoned_layer()
+    context = SimpleNamespace(no_compile_layers={layer.prefix: layer}, attn_metadata=None)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    zero_fresh_state(layer.prefix)
+    assert layer.kv_cache[1].eq(6.0).all()
