@@ -27,6 +27,8 @@ import torch
 
 __all__ = ["StagedRowMetadata", "MetadataError"]
 
+_MIN_GRAPH_ROWS = 16
+
 
 class MetadataError(ValueError):
     """Per-row metadata that cannot describe the batch (shape, dtype, device)."""
@@ -60,11 +62,19 @@ class StagedRowMetadata:
         self.pad_slot_ids = tuple(int(s) for s in pad_slot_ids)
         if not self.pad_slot_ids:
             raise MetadataError("pad_slot_ids must name at least one sentinel")
-        self.has_initial_state = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
-        self.valid = torch.zeros(max_rows, dtype=torch.bool, device=self.device)
-        self.state_slot = torch.full(
-            (max_rows,), self.pad_slot_ids[0], dtype=torch.int64, device=self.device
-        )
+        # Inductor inlines 1-D graph constants of <= 8 elements by value; the
+        # storage handed to compiled graphs is never that small.
+        capacity = max(self.max_rows, _MIN_GRAPH_ROWS)
+        self._storage = {
+            "has_initial_state": torch.zeros(capacity, dtype=torch.bool, device=self.device),
+            "valid": torch.zeros(capacity, dtype=torch.bool, device=self.device),
+            "state_slot": torch.full(
+                (capacity,), self.pad_slot_ids[0], dtype=torch.int64, device=self.device
+            ),
+        }
+        self.has_initial_state = self._storage["has_initial_state"][: self.max_rows]
+        self.valid = self._storage["valid"][: self.max_rows]
+        self.state_slot = self._storage["state_slot"][: self.max_rows]
         self.num_rows = 0
 
     def stage(
@@ -105,6 +115,10 @@ class StagedRowMetadata:
         self.state_slot[n:].fill_(self.pad_slot_ids[0])
         self.num_rows = n
 
+    def graph_buffers(self) -> dict[str, torch.Tensor]:
+        """The persistent tensors a compiled graph reads (rows past ``max_rows`` are padding)."""
+        return dict(self._storage)
+
     def fresh_rows(self) -> torch.Tensor:
         """``[max_rows]`` bool: real rows that have no prior state."""
         return self.valid & ~self.has_initial_state
@@ -139,5 +153,5 @@ class StagedRowMetadata:
     def __repr__(self) -> str:
         return (
             f"StagedRowMetadata(max_rows={self.max_rows}, device={self.device}, "
-            f"pad_slot_ids={self.pad_slot_ids}, num_rows={self.num_rows})"
+            f"pad_slot_ids={self.pad_slot_ids})"
         )

@@ -28,14 +28,14 @@ class StateRead:
     kind: str  # "opaque_op" | "gather"
     op: str
     layer: str | None
-    action: str  # "guarded_op" | "already_guarded" | "left_alone"
+    action: str  # "guarded_gather" | "guarded_op" | "already_guarded" | "left_alone" | "not_state"
     reason: str
 
 
 @dataclass
 class PassReport:
     pass_name: str
-    pass_uuid: str
+    pass_uuid: str | None  # None: the pass made the graph uncacheable
     options: dict
     num_nodes: int
     analyses: list[str]
@@ -47,7 +47,7 @@ class PassReport:
 
     @property
     def guarded(self) -> list[StateRead]:
-        return [r for r in self.reads if r.action == "guarded_op"]
+        return [r for r in self.reads if r.action in ("guarded_op", "guarded_gather")]
 
     def guarded_per_op(self) -> dict[str, int]:
         return dict(collections.Counter(r.op for r in self.guarded))
@@ -58,7 +58,9 @@ class PassReport:
 
     def summary(self) -> str:
         """The one line logged per compiled graph."""
-        if not self.reads:
+        if not self.guarded and not self.left_alone and not any(
+            r.action == "already_guarded" for r in self.reads
+        ):
             return (
                 f"no GDN state reads in a graph of {self.num_nodes} nodes "
                 "(graph unchanged)"
@@ -79,7 +81,7 @@ class PassReport:
         return d
 
     def to_text(self) -> str:
-        lines = [self.summary(), f"  pass {self.pass_name} uuid {self.pass_uuid[:16]}"]
+        lines = [self.summary(), f"  pass {self.pass_name} uuid {(self.pass_uuid or 'none (graph not cacheable)')[:16]}"]
         lines.append(f"  options {json.dumps(self.options, sort_keys=True)}")
         lines.append(f"  analyses {', '.join(self.analyses)}; graph changed: {self.graph_changed}")
         lines.append(f"  versions {self.versions}")

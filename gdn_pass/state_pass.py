@@ -33,8 +33,12 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from gdn_pass import opaque_ops, report as report_mod
+from gdn_pass.gated_reads import GateBuilder
+from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP
 from gdn_pass.report import PassReport, StateRead
+from gdn_pass.state_reads import find_state_gathers
+from inductor_ext import gated_gather
 
 __all__ = ["GDNStatePass", "GUARDED_NAMESPACE"]
 
@@ -48,6 +52,9 @@ _GUARD_PROVIDERS = {"vllm": "gdn_pass.vllm.guarded_ops"}
 # Modules whose source decides what the pass does to a graph (uuid input).
 _BEHAVIOUR_MODULES = (
     "gdn_pass.state_pass",
+    "gdn_pass.state_reads",
+    "gdn_pass.gated_reads",
+    "inductor_ext.gated_gather",
     "gdn_pass.opaque_ops",
     "gdn_pass.vllm.guarded_ops",
     "gdn_pass.vllm.state_guard",
@@ -67,22 +74,47 @@ class GDNStatePass(CustomGraphPass):
     GDNStatePass()})``. For vLLM, use ``gdn_pass.vllm.GDNStatePass``.
 
     Args:
+        metadata: staged per-row metadata that graph-visible state reads are
+            gated on (read in place by the compiled graph). Without it such
+            reads are reported and left unguarded.
+        masked_load: gate graph-visible reads with the masked-load lowering
+            (fresh and padding rows never touch memory); when False, or when
+            the lowering cannot be registered, with ``where`` after a gather
+            at a safe index. The report says which ran.
         guard_opaque_ops: swap known engine GDN core ops for guarded variants.
         report_dir: where each graph's report is written (JSON + text); the
             environment variable ``GDN_PASS_REPORT_DIR`` is used when unset.
             Not part of ``uuid()``: it does not change the compiled graph.
     """
 
-    def __init__(self, *, guard_opaque_ops: bool = True, report_dir: str | None = None):
+    def __init__(
+        self,
+        metadata: StagedRowMetadata | None = None,
+        *,
+        masked_load: bool = True,
+        guard_opaque_ops: bool = True,
+        report_dir: str | None = None,
+    ):
+        self.metadata = metadata
+        self.masked_load = masked_load
         self.guard_opaque_ops = guard_opaque_ops
         self.report_dir = report_dir
 
     # -- configuration ---------------------------------------------------
     def options(self) -> dict[str, Any]:
         """Options that change the rewritten graph (hashed into ``uuid()``)."""
-        return {"guard_opaque_ops": self.guard_opaque_ops}
+        return {
+            "guard_opaque_ops": self.guard_opaque_ops,
+            "masked_load": self.masked_load,
+            "metadata": repr(self.metadata),
+        }
 
-    def uuid(self) -> str:
+    def uuid(self) -> str | None:
+        if self.metadata is not None:
+            # The graph holds this object's buffers by reference; a cached
+            # graph would hold unpickled copies. None makes Inductor bypass
+            # its FX graph cache.
+            return None
         hasher = hashlib.sha256()
         hasher.update(f"{type(self).__module__}.{type(self).__qualname__}".encode())
         hasher.update(json.dumps(self.options(), sort_keys=True).encode())
@@ -103,9 +135,10 @@ class GDNStatePass(CustomGraphPass):
             pass_uuid=self.uuid(),
             options=self.options(),
             num_nodes=len(graph.nodes),
-            analyses=["opaque_ops"],
+            analyses=["graph_visible_gathers", "opaque_ops"],
             versions=_versions(),
         )
+        report.reads.extend(self._guard_gathers(graph))
         for node, op in _opaque_op_calls(graph):
             report.reads.append(self._guard_opaque_call(node, op))
         graph.lint()
@@ -115,6 +148,44 @@ class GDNStatePass(CustomGraphPass):
         report_mod.record(report, self.report_dir)
         level = logging.WARNING if report.left_alone else logging.INFO
         logger.log(level, "%s", report.summary())
+
+    def _guard_gathers(self, graph: torch.fx.Graph) -> list[StateRead]:
+        gathers, skipped = find_state_gathers(graph)
+        reads = [
+            StateRead(node=s.node.name, kind="gather", op=str(s.node.target), layer=None,
+                      action="not_state", reason=s.reason)
+            for s in skipped
+        ]
+        if not gathers:
+            return reads
+        if self.metadata is None:
+            logger.warning(
+                "%d graph-visible state read(s) left unguarded: GDNStatePass was given no "
+                "metadata; pass GDNStatePass(metadata=StagedRowMetadata(...))", len(gathers))
+            return reads + [
+                StateRead(node=g.read.name, kind="gather", op=str(g.read.target),
+                          layer=g.cache.name, action="left_alone",
+                          reason="no staged metadata given to the pass")
+                for g in gathers
+            ]
+        masked = self.masked_load and gated_gather.register_lowering() is None
+        how = "masked load (gdn_pass::gated_gather lowering)" if masked else (
+            "where after a gather at a safe index"
+            + ("" if not self.masked_load else f" (lowering unavailable: {gated_gather.LOWERING_ERROR})")
+        )
+        builder = GateBuilder(graph, self.metadata, masked_load=masked)
+        writes_done: set[torch.fx.Node] = set()
+        for g in gathers:
+            reads.append(StateRead(
+                node=g.read.name, kind="gather", op=str(g.read.target), layer=g.cache.name,
+                action="guarded_gather",
+                reason=f"{how}; {len(g.writes)} write-back(s) gated on valid rows"))
+            builder.gate_read(g)
+            for put in g.writes:
+                if put not in writes_done:
+                    builder.gate_write(put)
+                    writes_done.add(put)
+        return reads
 
     def _guard_opaque_call(self, node: torch.fx.Node, op: torch._ops.OpOverload) -> StateRead:
         qualname = op.name()
