@@ -1,0 +1,96 @@
+"""The poison oracle for one step of a GDN layer over slot-indexed caches.
+
+Every slot that no real row of the batch legitimately owns is filled with
+poison (NaN), and the slots of fresh rows with a previous owner's state
+(large finite values), then three runs are compared:
+
+    guarded     the step compiled with GDNStatePass (the code under test)
+    unguarded   the same step compiled without the pass
+    reference   eager PyTorch on the real rows only, fresh slots zeroed first
+
+Requirements (``check`` returns the violated ones, empty when all hold):
+    fresh rows       output and new state equal the reference (tolerance by dtype)
+    history rows     output and new state bitwise equal the unguarded graph
+    all other slots  bitwise unchanged (no padding row wrote anything)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TOLERANCE = {torch.float32: dict(rtol=1e-4, atol=1e-4), torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+def poison_caches(caches, batch, *, generator=None) -> None:
+    """History slots: plausible state; fresh slots: stale state; the rest: NaN."""
+    history = {int(batch.slots[i]) for i in batch.history}
+    fresh = {int(batch.slots[i]) for i in batch.fresh}
+    for cache in caches:
+        cache.fill_(float("nan"))
+        for slot in history:
+            cache[slot] = torch.randn(cache.shape[1:], generator=generator).to(cache.dtype)
+        for slot in fresh:
+            cache[slot] = (5 + 5 * torch.rand(cache.shape[1:], generator=generator)).to(cache.dtype)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit pattern, so that NaN == NaN."""
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def run_reference(layer, caches, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Eager step on the real rows only, with the fresh rows' slots zeroed."""
+    caches = tuple(c.clone() for c in caches)
+    for cache in caches:
+        for i in batch.fresh:
+            cache[int(batch.slots[i])] = 0
+    real = slice(0, batch.real)
+    device = caches[0].device
+    with torch.no_grad():
+        out = layer(batch.hidden[real].to(device), *caches, batch.slots[real].to(device))
+    return out, caches
+
+
+def check(
+    guarded: Callable, unguarded: Callable, layer, caches, batch
+) -> list[str]:
+    """Run the three versions of one step on copies of ``caches``; list violations.
+
+    ``guarded`` / ``unguarded``: callables (hidden, *caches, slots) -> out that
+    run the compiled step (the guarded one must read metadata staged for ``batch``).
+    """
+    errors: list[str] = []
+    device = caches[0].device
+    args = (batch.hidden.to(device), batch.slots.to(device))
+    g_caches = tuple(c.clone() for c in caches)
+    u_caches = tuple(c.clone() for c in caches)
+    with torch.no_grad():
+        g_out = guarded(args[0], *g_caches, args[1]).clone()
+        u_out = unguarded(args[0], *u_caches, args[1]).clone()
+    r_out, r_caches = run_reference(layer, caches, batch)
+
+    tol = TOLERANCE.get(g_out.dtype, TOLERANCE[torch.float32])
+    for i in batch.fresh:
+        slot = int(batch.slots[i])
+        if not torch.allclose(g_out[i].float(), r_out[i].float(), **tol):
+            diff = (g_out[i].float() - r_out[i].float()).abs().max().item()
+            errors.append(f"fresh row {i} (slot {slot}): output differs from fresh-state reference by {diff:.3g}")
+        for k, (g, r) in enumerate(zip(g_caches, r_caches)):
+            state_tol = TOLERANCE.get(g.dtype, TOLERANCE[torch.float32])
+            if not torch.allclose(g[slot].float(), r[slot].float(), **state_tol):
+                errors.append(f"fresh row {i} (slot {slot}): new state {k} differs from reference")
+    for i in batch.history:
+        slot = int(batch.slots[i])
+        if not torch.equal(_bits(g_out[i]), _bits(u_out[i])):
+            errors.append(f"history row {i} (slot {slot}): output not bitwise equal to the unguarded graph")
+        for k, (g, u) in enumerate(zip(g_caches, u_caches)):
+            if not torch.equal(_bits(g[slot]), _bits(u[slot])):
+                errors.append(f"history row {i} (slot {slot}): new state {k} not bitwise equal to unguarded")
+    owned = {int(batch.slots[i]) for i in range(batch.real)}
+    for k, (g, before) in enumerate(zip(g_caches, caches)):
+        for slot in range(g.shape[0]):
+            if slot not in owned and not torch.equal(_bits(g[slot]), _bits(before[slot])):
+                errors.append(f"slot {slot} (not owned by a real row) changed in state {k}")
+    return errors
