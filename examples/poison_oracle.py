@@ -53,22 +53,29 @@ def run_reference(layer, caches, batch) -> tuple[torch.Tensor, tuple[torch.Tenso
     return out, caches
 
 
-def check(
-    guarded: Callable, unguarded: Callable, layer, caches, batch
-) -> list[str]:
-    """Run the three versions of one step on copies of ``caches``; list violations.
+def check(guarded: Callable, unguarded: Callable, layer, caches, batch) -> list[str]:
+    """Run the guarded step on copies of ``caches``, then ``check_result``.
 
     ``guarded`` / ``unguarded``: callables (hidden, *caches, slots) -> out that
     run the compiled step (the guarded one must read metadata staged for ``batch``).
     """
+    device = caches[0].device
+    g_caches = tuple(c.clone() for c in caches)
+    with torch.no_grad():
+        g_out = guarded(batch.hidden.to(device), *g_caches, batch.slots.to(device)).clone()
+    return check_result(g_out, g_caches, unguarded, layer, caches, batch)
+
+
+def check_result(g_out, g_caches, unguarded: Callable, layer, caches, batch) -> list[str]:
+    """Check a guarded step's output and caches (e.g. after a CUDA-graph replay).
+
+    ``caches`` are the poisoned caches as they were before the guarded step.
+    """
     errors: list[str] = []
     device = caches[0].device
-    args = (batch.hidden.to(device), batch.slots.to(device))
-    g_caches = tuple(c.clone() for c in caches)
     u_caches = tuple(c.clone() for c in caches)
     with torch.no_grad():
-        g_out = guarded(args[0], *g_caches, args[1]).clone()
-        u_out = unguarded(args[0], *u_caches, args[1]).clone()
+        u_out = unguarded(batch.hidden.to(device), *u_caches, batch.slots.to(device)).clone()
     r_out, r_caches = run_reference(layer, caches, batch)
 
     tol = TOLERANCE.get(g_out.dtype, TOLERANCE[torch.float32])
@@ -88,9 +95,10 @@ def check(
         for k, (g, u) in enumerate(zip(g_caches, u_caches)):
             if not torch.equal(_bits(g[slot]), _bits(u[slot])):
                 errors.append(f"history row {i} (slot {slot}): new state {k} not bitwise equal to unguarded")
-    owned = {int(batch.slots[i]) for i in range(batch.real)}
+    not_owned = torch.ones(caches[0].shape[0], dtype=torch.bool)
+    not_owned[batch.slots[: batch.real].long()] = False
     for k, (g, before) in enumerate(zip(g_caches, caches)):
-        for slot in range(g.shape[0]):
-            if slot not in owned and not torch.equal(_bits(g[slot]), _bits(before[slot])):
-                errors.append(f"slot {slot} (not owned by a real row) changed in state {k}")
+        changed = (_bits(g) != _bits(before)).flatten(1).any(1).cpu() & not_owned
+        for slot in changed.nonzero().flatten().tolist():
+            errors.append(f"slot {slot} (not owned by a real row) changed in state {k}")
     return errors

@@ -45,8 +45,18 @@ QWEN3_NEXT_SHAPE = GDNShape(hidden=2048, num_k_heads=16, num_v_heads=32, head_k_
 
 
 class TorchGDNLayer(nn.Module):
-    def __init__(self, shape: GDNShape, *, seed: int = 0, dtype=torch.float32):
+    """``recurrence="torch"``: the gated delta rule in plain torch (CPU and GPU).
+    ``recurrence="fla"``: flash-linear-attention's Triton kernels (GPU), fed a
+    gathered ``initial_state`` and written back from ``final_state``:
+    ``fused_recurrent_gated_delta_rule`` for decode, ``chunk_gated_delta_rule``
+    for chunks.
+    """
+
+    def __init__(self, shape: GDNShape, *, seed: int = 0, dtype=torch.float32, recurrence: str = "torch"):
         super().__init__()
+        if recurrence not in ("torch", "fla"):
+            raise ValueError(f"recurrence must be 'torch' or 'fla', got {recurrence!r}")
+        self.recurrence = recurrence
         self.shape = s = shape
         gen = torch.Generator().manual_seed(seed)
 
@@ -87,6 +97,10 @@ class TorchGDNLayer(nn.Module):
         k = F.normalize(k.view(B, L, s.num_k_heads, s.head_k_dim), dim=-1).repeat_interleave(rep, dim=2)
         v = v.view(B, L, s.num_v_heads, s.head_v_dim)
 
+        if self.recurrence == "fla":
+            o = self._fla_recurrence(q, k, v, g, beta, ssm_cache, slots)
+            return o.reshape(B, L, -1).to(hidden.dtype) @ self.out_proj.t()
+
         state = ssm_cache[slots].float()  # [B, HV, K, V]  <- state read
         outs = []
         for t in range(L):
@@ -98,3 +112,15 @@ class TorchGDNLayer(nn.Module):
         ssm_cache[slots] = state.to(ssm_cache.dtype)  # write-back
         o = torch.stack(outs, dim=1).reshape(B, L, -1).to(hidden.dtype)
         return o @ self.out_proj.t()
+
+    def _fla_recurrence(self, q, k, v, g, beta, ssm_cache, slots):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+
+        kernel = fused_recurrent_gated_delta_rule if q.shape[1] == 1 else chunk_gated_delta_rule
+        initial_state = ssm_cache[slots].float()  # [B, HV, K, V]  <- state read
+        o, final_state = kernel(
+            q.contiguous(), k.contiguous(), v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
+            scale=self.shape.head_k_dim**-0.5, initial_state=initial_state, output_final_state=True,
+        )
+        ssm_cache[slots] = final_state.to(ssm_cache.dtype)  # write-back
+        return o
