@@ -40,6 +40,10 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32)
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.float() - b.float()).abs().max().item()
+
+
 def run_reference(layer, caches, batch) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """Eager step on the real rows only, with the fresh rows' slots zeroed."""
     caches = tuple(c.clone() for c in caches)
@@ -91,10 +95,12 @@ def check_result(g_out, g_caches, unguarded: Callable, layer, caches, batch) -> 
     for i in batch.history:
         slot = int(batch.slots[i])
         if not torch.equal(_bits(g_out[i]), _bits(u_out[i])):
-            errors.append(f"history row {i} (slot {slot}): output not bitwise equal to the unguarded graph")
+            errors.append(f"history row {i} (slot {slot}): output not bitwise equal to the unguarded "
+                          f"graph (max diff {_max_diff(g_out[i], u_out[i]):.3g})")
         for k, (g, u) in enumerate(zip(g_caches, u_caches)):
             if not torch.equal(_bits(g[slot]), _bits(u[slot])):
-                errors.append(f"history row {i} (slot {slot}): new state {k} not bitwise equal to unguarded")
+                errors.append(f"history row {i} (slot {slot}): new state {k} not bitwise equal to "
+                              f"unguarded (max diff {_max_diff(g[slot], u[slot]):.3g})")
     not_owned = torch.ones(caches[0].shape[0], dtype=torch.bool)
     not_owned[batch.slots[: batch.real].long()] = False
     for k, (g, before) in enumerate(zip(g_caches, caches)):
