@@ -4,9 +4,9 @@ It plays the part of vLLM's model runner for the torch-native examples:
 
 - slots are recycled most-recently-freed first and never zeroed (like vLLM's
   mamba pages), so a new request lands on a previous owner's state;
-- batches are padded to a captured size with zero-length rows whose slot is
-  the padding sentinel (``-1`` like older vLLM, or ``0``, a reserved null
-  slot, like vLLM since #39064);
+- slot 0 is a null slot never handed out (vLLM's null block); batches are
+  padded to a captured size with zero-length rows whose slot is the padding
+  sentinel (``-1`` like older vLLM, or ``0`` like vLLM since #39064);
 - before every step the per-row metadata is staged in place into the
   persistent buffers the compiled (and captured) graph reads.
 """
@@ -21,11 +21,12 @@ from gdn_pass import GDNStatePass, StagedRowMetadata
 
 
 class SlotPool:
-    """State slots; slot 0 is reserved as the null slot when it is the padding sentinel."""
+    """State slots 1..num_slots-1; slot 0 is the null slot, never handed out (as in vLLM)."""
 
-    def __init__(self, num_slots: int, *, pad_slot_id: int):
-        first = 1 if pad_slot_id == 0 else 0
-        self._free = list(range(num_slots - 1, first - 1, -1))  # pop() hands out low slots first
+    NULL_SLOT = 0
+
+    def __init__(self, num_slots: int):
+        self._free = list(range(num_slots - 1, 0, -1))  # pop() hands out low slots first
 
     def alloc(self) -> int:
         if not self._free:
@@ -75,15 +76,20 @@ class GDNRunner:
 
     def __init__(self, layer, *, num_slots: int, max_batch: int, pad_slot_id: int = -1,
                  state_dtype=torch.float32, device="cpu", guard: bool = True,
-                 masked_load: bool = True, compile_mode: str | None = None):
+                 masked_load: bool = True, scratch_slot: bool = True, compile_options=None):
         self.layer = layer.to(device)
         self.device = torch.device(device)
         self.pad_slot_id = pad_slot_id
-        self.pool = SlotPool(num_slots, pad_slot_id=pad_slot_id)
-        self.rows = StagedRowMetadata(max_batch, device=device, pad_slot_ids=sorted({-1, pad_slot_id}))
+        self.pool = SlotPool(num_slots)
+        self.rows = StagedRowMetadata(
+            max_batch, device=device, pad_slot_ids=sorted({-1, pad_slot_id}),
+            scratch_slot=SlotPool.NULL_SLOT if scratch_slot else None,
+        )
         self.conv, self.ssm = layer.new_caches(num_slots, state_dtype=state_dtype, device=device)
-        options = {"post_grad_custom_post_pass": GDNStatePass(self.rows, masked_load=masked_load)} if guard else {}
-        self.step_fn = torch.compile(self.layer, options=options, mode=compile_mode, dynamic=False)
+        options = dict(compile_options or {})
+        if guard:
+            options["post_grad_custom_post_pass"] = GDNStatePass(self.rows, masked_load=masked_load)
+        self.step_fn = torch.compile(self.layer, options=options, dynamic=False)
         self._graphs: dict[tuple, tuple] = {}
 
     def stage(self, batch: Batch) -> None:

@@ -11,7 +11,8 @@ poison (NaN), and the slots of fresh rows with a previous owner's state
 Requirements (``check`` returns the violated ones, empty when all hold):
     fresh rows       output and new state equal the reference (tolerance by dtype)
     history rows     output and new state bitwise equal the unguarded graph
-    all other slots  bitwise unchanged (no padding row wrote anything)
+    all other slots  bitwise unchanged (no padding row wrote anything), except
+                     the engine's scratch slot, which no request ever owns
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def run_reference(layer, caches, batch) -> tuple[torch.Tensor, tuple[torch.Tenso
     return out, caches
 
 
-def check(guarded: Callable, unguarded: Callable, layer, caches, batch) -> list[str]:
+def check(guarded: Callable, unguarded: Callable, layer, caches, batch, *, scratch_slot=None) -> list[str]:
     """Run the guarded step on copies of ``caches``, then ``check_result``.
 
     ``guarded`` / ``unguarded``: callables (hidden, *caches, slots) -> out that
@@ -67,13 +68,17 @@ def check(guarded: Callable, unguarded: Callable, layer, caches, batch) -> list[
     g_caches = tuple(c.clone() for c in caches)
     with torch.no_grad():
         g_out = guarded(batch.hidden.to(device), *g_caches, batch.slots.to(device)).clone()
-    return check_result(g_out, g_caches, unguarded, layer, caches, batch)
+    return check_result(g_out, g_caches, unguarded, layer, caches, batch, scratch_slot=scratch_slot)
 
 
-def check_result(g_out, g_caches, unguarded: Callable, layer, caches, batch) -> list[str]:
+def check_result(
+    g_out, g_caches, unguarded: Callable, layer, caches, batch, *, scratch_slot=None
+) -> list[str]:
     """Check a guarded step's output and caches (e.g. after a CUDA-graph replay).
 
-    ``caches`` are the poisoned caches as they were before the guarded step.
+    ``caches`` are the poisoned caches as they were before the guarded step;
+    ``scratch_slot``, a slot no request ever owns, is the one slot padding
+    rows may write.
     """
     errors: list[str] = []
     device = caches[0].device
@@ -103,6 +108,8 @@ def check_result(g_out, g_caches, unguarded: Callable, layer, caches, batch) -> 
                               f"unguarded (max diff {_max_diff(g[slot], u[slot]):.3g})")
     not_owned = torch.ones(caches[0].shape[0], dtype=torch.bool)
     not_owned[batch.slots[: batch.real].long()] = False
+    if scratch_slot is not None:
+        not_owned[scratch_slot] = False
     for k, (g, before) in enumerate(zip(g_caches, caches)):
         changed = (_bits(g) != _bits(before)).flatten(1).any(1).cpu() & not_owned
         for slot in changed.nonzero().flatten().tolist():

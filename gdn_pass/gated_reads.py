@@ -12,10 +12,13 @@
         put   = aten.index_put.default(cache, [where(valid, slots, slots[fv])],
                                        where(valid, new, new[fv]))
 
-Padding rows write the first real row's value to that row's slot: the
-duplicate write is byte-identical, so no padding row changes any slot and no
-write goes through a sentinel index. (A batch with no real row at all writes
-each target slot's current value back to it.)
+Padding rows never write a live slot. With a scratch slot (a slot the engine
+never hands out, like vLLM's null block) their writes are redirected there:
+``index_put(cache, [where(valid, slots, scratch)], new)``, pointwise and fused
+like the original. Without one, as drawn above, they write the first real
+row's value to that row's slot: the duplicate is byte-identical, so no slot
+changes and no write goes through a sentinel index. (A batch with no real row
+at all then writes each target slot's current value back to it.)
 
 The staged buffers enter the graph as constants held by reference, so one
 compiled or captured graph reads whatever ``StagedRowMetadata.stage`` last
@@ -111,6 +114,12 @@ class GateBuilder:
 
     def gate_write(self, put: Node) -> None:
         dest, (index,), values = put.args[0], put.args[1], put.args[2]
+        if self.rows.scratch_slot is not None:
+            with self.graph.inserting_before(put):
+                valid = self.rows_of("valid", index)
+                slots = self.call(aten.where.ScalarOther, valid, index, self.rows.scratch_slot)
+            put.args = (dest, [slots], values, *put.args[3:])
+            return
         with self.graph.inserting_before(put):
             valid = self.rows_of("valid", index)
             first = self.call(aten.argmax.default, self.call(

@@ -41,6 +41,11 @@ class StagedRowMetadata:
         max_rows: the largest batch (rows, not tokens) ever staged.
         device: where the consumers (the compiled graph, the state guard) run.
         pad_slot_ids: slot ids that mark a padding row.
+        scratch_slot: a slot the engine never hands to a request (vLLM's null
+            block 0, say). Graph-visible write-backs of padding rows are sent
+            there, a plain pointwise redirect; without one they are folded
+            onto the first real row's write (byte-identical duplicates), which
+            costs two small reductions per write-back.
 
     Buffers (all of shape ``[max_rows]``, allocated once, never reallocated):
         has_initial_state: bool, the row has computed tokens before this step.
@@ -54,6 +59,7 @@ class StagedRowMetadata:
         max_rows: int,
         device: torch.device | str = "cpu",
         pad_slot_ids: Iterable[int] = (-1,),
+        scratch_slot: int | None = None,
     ):
         if max_rows <= 0:
             raise MetadataError(f"max_rows must be positive, got {max_rows}")
@@ -62,6 +68,9 @@ class StagedRowMetadata:
         self.pad_slot_ids = tuple(int(s) for s in pad_slot_ids)
         if not self.pad_slot_ids:
             raise MetadataError("pad_slot_ids must name at least one sentinel")
+        if scratch_slot is not None and scratch_slot < 0:
+            raise MetadataError(f"scratch_slot must be a real (non-negative) slot, got {scratch_slot}")
+        self.scratch_slot = scratch_slot
         # Inductor inlines 1-D graph constants of <= 8 elements by value; the
         # storage handed to compiled graphs is never that small.
         capacity = max(self.max_rows, _MIN_GRAPH_ROWS)
@@ -153,5 +162,5 @@ class StagedRowMetadata:
     def __repr__(self) -> str:
         return (
             f"StagedRowMetadata(max_rows={self.max_rows}, device={self.device}, "
-            f"pad_slot_ids={self.pad_slot_ids})"
+            f"pad_slot_ids={self.pad_slot_ids}, scratch_slot={self.scratch_slot})"
         )

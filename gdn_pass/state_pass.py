@@ -179,7 +179,10 @@ class GDNStatePass(CustomGraphPass):
             reads.append(StateRead(
                 node=g.read.name, kind="gather", op=str(g.read.target), layer=g.cache.name,
                 action="guarded_gather",
-                reason=f"{how}; {len(g.writes)} write-back(s) gated on valid rows"))
+                reason=f"{how}; {len(g.writes)} write-back(s) of padding rows "
+                       + (f"sent to scratch slot {self.metadata.scratch_slot}"
+                          if self.metadata.scratch_slot is not None
+                          else "folded onto the first real row")))
             builder.gate_read(g)
             for put in g.writes:
                 if put not in writes_done:

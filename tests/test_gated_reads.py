@@ -28,10 +28,11 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
-def runners(state_dtype, pad_slot_id, *, masked_load=True):
+def runners(state_dtype, pad_slot_id, *, masked_load=True, scratch_slot=True):
     layer = TorchGDNLayer(SMALL, seed=1)
     kw = dict(num_slots=NUM_SLOTS, max_batch=8, pad_slot_id=pad_slot_id, state_dtype=state_dtype)
-    return GDNRunner(layer, masked_load=masked_load, **kw), GDNRunner(layer, guard=False, **kw)
+    guarded = GDNRunner(layer, masked_load=masked_load, scratch_slot=scratch_slot, **kw)
+    return guarded, GDNRunner(layer, guard=False, **kw)
 
 
 def random_rows(rng, real, fresh_fraction, pool):
@@ -42,11 +43,12 @@ def random_rows(rng, real, fresh_fraction, pool):
     return rows
 
 
+@pytest.mark.parametrize("scratch_slot", [True, False], ids=["scratch", "fold"])
 @pytest.mark.parametrize("chunk", [1, 3], ids=["decode", "chunked_prefill"])
 @pytest.mark.parametrize("pad_slot_id", [-1, 0], ids=["pad-1", "pad0"])
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_poison_oracle_grid(state_dtype, pad_slot_id, chunk):
-    guarded, unguarded = runners(state_dtype, pad_slot_id)
+def test_poison_oracle_grid(state_dtype, pad_slot_id, chunk, scratch_slot):
+    guarded, unguarded = runners(state_dtype, pad_slot_id, scratch_slot=scratch_slot)
     rng, gen = random.Random(0), torch.Generator().manual_seed(0)
     checked_fresh = checked_history = 0
     for pad_to in (4, 8):
@@ -59,15 +61,18 @@ def test_poison_oracle_grid(state_dtype, pad_slot_id, chunk):
                 caches = (guarded.conv, guarded.ssm)
                 poison_caches(caches, batch, generator=gen)
                 guarded.stage(batch)
-                errors = check(guarded.step_fn, unguarded.step_fn, guarded.layer, caches, batch)
+                errors = check(guarded.step_fn, unguarded.step_fn, guarded.layer, caches, batch,
+                               scratch_slot=guarded.rows.scratch_slot)
                 assert not errors, (pad_to, fresh_fraction, num_pad, errors[:5])
                 checked_fresh += len(batch.fresh)
                 checked_history += len(batch.history)
                 for slot, _ in rows:
                     guarded.pool.free(slot)
     assert checked_fresh > 0 and checked_history > 0
-    (report, *_) = gdn_pass.reports()[-2:]
-    assert [r.action for r in report.reads if r.kind == "gather"].count("guarded_gather") == 2
+    guarded_reads = [r for r in gdn_pass.reports()[-1].reads if r.action == "guarded_gather"]
+    assert len(guarded_reads) == 2
+    expected = "scratch slot 0" if scratch_slot else "folded onto the first real row"
+    assert all(expected in r.reason for r in guarded_reads)
 
 
 def test_oracle_fails_without_the_guard():
@@ -93,7 +98,7 @@ def test_where_fallback_also_passes_the_oracle():
     caches = (guarded.conv, guarded.ssm)
     poison_caches(caches, batch, generator=gen)
     guarded.stage(batch)
-    assert check(guarded.step_fn, unguarded.step_fn, guarded.layer, caches, batch) == []
+    assert check(guarded.step_fn, unguarded.step_fn, guarded.layer, caches, batch, scratch_slot=0) == []
     assert "where after a gather" in gdn_pass.reports()[-1].reads[0].reason
 
 
@@ -101,8 +106,9 @@ def kernels(code: str) -> list[str]:
     return [line for line in code.splitlines() if "async_compile.cpp_pybinding" in line]
 
 
-def test_gate_is_inside_the_existing_kernels():
-    guarded, unguarded = runners(torch.float32, -1)
+@pytest.mark.parametrize("scratch_slot", [True, False], ids=["scratch", "fold"])
+def test_gate_is_inside_the_existing_kernels(scratch_slot):
+    guarded, unguarded = runners(torch.float32, -1, scratch_slot=scratch_slot)
     batch = make_batch([(3, 0), (5, 4)], pad_to=4, chunk=1, hidden=SMALL.hidden, pad_slot_id=-1)
     guarded.stage(batch)
     with torch.no_grad():

@@ -38,12 +38,13 @@ def layer_for(recurrence):
 
 
 @pytest.mark.parametrize(
-    "recurrence, pad_slot_id", [("torch", -1), ("torch", 0), ("fla", -1)]
+    "recurrence, pad_slot_id, scratch_slot",
+    [("torch", -1, True), ("torch", 0, True), ("torch", -1, False), ("fla", -1, True)],
 )
-def test_replay_poison_oracle(recurrence, pad_slot_id):
+def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot):
     layer = layer_for(recurrence)
     runner = GDNRunner(layer, num_slots=NUM_SLOTS, max_batch=max(CAPTURE_SIZES),
-                       pad_slot_id=pad_slot_id, device="cuda")
+                       pad_slot_id=pad_slot_id, device="cuda", scratch_slot=scratch_slot)
     unguarded = torch.compile(layer, dynamic=False)
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     live: list[tuple[int, int]] = []  # (slot, computed tokens) of running requests
@@ -62,7 +63,8 @@ def test_replay_poison_oracle(recurrence, pad_slot_id):
             poison_caches((runner.conv, runner.ssm), batch, generator=gen)
             before = (runner.conv.clone(), runner.ssm.clone())
             out = runner.replay(batch).clone()
-            errors = check_result(out, (runner.conv, runner.ssm), unguarded, layer, before, batch)
+            errors = check_result(out, (runner.conv, runner.ssm), unguarded, layer, before, batch,
+                                  scratch_slot=runner.rows.scratch_slot)
             assert not errors, (size, real, errors[:5])
             live = [(s, c + 1) for s, c in rows]
             stats["replays"] += 1
@@ -85,9 +87,10 @@ def test_reduce_overhead_mode():
 
     layer = layer_for("torch")
     model = WithCaches(layer)
-    rows = gdn_pass.StagedRowMetadata(8, device="cuda", pad_slot_ids=(-1,))
-    compiled = torch.compile(model, mode="reduce-overhead", dynamic=False,
-                             options={"post_grad_custom_post_pass": gdn_pass.GDNStatePass(rows)})
+    rows = gdn_pass.StagedRowMetadata(8, device="cuda", pad_slot_ids=(-1,), scratch_slot=0)
+    # mode="reduce-overhead" is these options; torch refuses mode and options together.
+    compiled = torch.compile(model, dynamic=False, options={
+        "triton.cudagraphs": True, "post_grad_custom_post_pass": gdn_pass.GDNStatePass(rows)})
     unguarded = torch.compile(layer, dynamic=False)
     gen = torch.Generator().manual_seed(0)
     torch._dynamo.utils.counters.clear()
@@ -100,7 +103,7 @@ def test_reduce_overhead_mode():
                    state_slots=batch.slots)
         with torch.no_grad():
             out = compiled(batch.hidden.cuda(), batch.slots.cuda()).clone()
-        errors = check_result(out, (model.conv, model.ssm), unguarded, layer, before, batch)
+        errors = check_result(out, (model.conv, model.ssm), unguarded, layer, before, batch, scratch_slot=0)
         assert not errors, (step, errors[:5])
     assert not torch._dynamo.utils.counters["inductor"].get("cudagraph_skips"), dict(
         torch._dynamo.utils.counters["inductor"])
