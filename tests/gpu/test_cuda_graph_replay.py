@@ -46,6 +46,12 @@ def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot):
     runner = GDNRunner(layer, num_slots=NUM_SLOTS, max_batch=max(CAPTURE_SIZES),
                        pad_slot_id=pad_slot_id, device="cuda", scratch_slot=scratch_slot)
     unguarded = torch.compile(layer, dynamic=False)
+    # Without a scratch slot, padding writes are folded onto the first real row
+    # through two reductions, which changes how Inductor splits the step into
+    # Triton kernels; history rows then differ from the unguarded graph by
+    # rounding (seen: up to 1.2e-7 on states of magnitude ~1). With a scratch
+    # slot the kernels are the unguarded ones and history rows are bitwise equal.
+    history_atol = 0.0 if scratch_slot else 1e-6
     rng, gen = random.Random(7), torch.Generator().manual_seed(7)
     live: list[tuple[int, int]] = []  # (slot, computed tokens) of running requests
     stats = dict(replays=0, fresh=0, history=0, padding=0)
@@ -64,7 +70,7 @@ def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot):
             before = (runner.conv.clone(), runner.ssm.clone())
             out = runner.replay(batch).clone()
             errors = check_result(out, (runner.conv, runner.ssm), unguarded, layer, before, batch,
-                                  scratch_slot=runner.rows.scratch_slot)
+                                  scratch_slot=runner.rows.scratch_slot, history_atol=history_atol)
             assert not errors, (size, real, errors[:5])
             live = [(s, c + 1) for s, c in rows]
             stats["replays"] += 1
