@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import gdn_pass
-from examples.stale_state_demo import LOGPROB_TOL, run_scenario
+from gdn_pass.examples.demo import LOGPROB_TOL, run_scenario
 
 GDN_LAYERS = 3  # tiny Qwen3-Next: layers 0-2 linear attention, layer 3 full attention
 

@@ -11,7 +11,7 @@ import subprocess
 import pytest
 
 import gdn_pass
-from examples.stale_state_demo import LOGPROB_TOL, compare, run_scenario
+from gdn_pass.examples.demo import LOGPROB_TOL, compare, run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -4,6 +4,9 @@
     poisoned : R1 runs and finishes, leaving its state slot dirty; R2 keeps
                decoding; R3 is admitted next to R2 in a step where every row
                has one token, on R1's recycled slot.
+    --r3-prompt-len N --max-num-batched-tokens M: R3 gets an N-token prompt
+               that the scheduler splits into chunks of at most M tokens, so
+               its first, fresh chunk runs next to R2's decode.
 
     python examples/vllm_scenarios.py poisoned --model DIR --guard on --out result.json
 
@@ -14,6 +17,7 @@ and a fresh engine is what "isolated" means.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -25,7 +29,8 @@ R2_PROMPT, R2_TOKENS = list(range(30, 36)), 24
 R3_PROMPT, R3_TOKENS = [7], 8
 
 
-def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None):
+def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None,
+             max_num_batched_tokens: int | None = None):
     from vllm import LLM
 
     compilation_config: dict = {}
@@ -48,6 +53,8 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
         # On CPU this fraction reserves host memory; the tiny model needs little.
         gpu_memory_utilization=0.3,
         compilation_config=compilation_config or None,
+        **({"max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": True}
+           if max_num_batched_tokens else {}),
     )
 
 
@@ -87,7 +94,7 @@ class StepRecorder:
         ]
 
 
-def run(scenario: str, llm, recorder: StepRecorder) -> dict:
+def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict:
     from vllm import SamplingParams
 
     engine = llm.llm_engine
@@ -114,7 +121,7 @@ def run(scenario: str, llm, recorder: StepRecorder) -> dict:
         add("R1", R1_PROMPT, R1_TOKENS)
         add("R2", R2_PROMPT, R2_TOKENS)
         step_until(lambda: "R1" in finished)
-    add("R3", R3_PROMPT, R3_TOKENS)
+    add("R3", r3_prompt, R3_TOKENS)
     step_until(lambda: "R3" in finished and (scenario != "poisoned" or "R2" in finished))
     return dict(
         requests={k.split("-")[0]: v for k, v in finished.items()},
@@ -129,17 +136,31 @@ def main() -> None:
     ap.add_argument("--guard", choices=["on", "off"], default="off")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no graph)")
     ap.add_argument("--report-dir", default=None)
+    # vLLM's own compilation_config.debug_dump_path dumps through depyf only in
+    # VLLM_COMPILE mode (CUDA); vLLM's CPU backend compiles in DYNAMO_TRACE_ONCE
+    # mode, so the engine (in this process) runs inside depyf.prepare_debug.
+    ap.add_argument("--dump-dir", default=None, help="depyf dump folder")
+    ap.add_argument("--r3-prompt-len", type=int, default=len(R3_PROMPT))
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
     import vllm
 
+    debug = contextlib.nullcontext()
+    if args.dump_dir:
+        import depyf
+
+        debug = depyf.prepare_debug(args.dump_dir)
     start = time.time()
     recorder = StepRecorder()
-    llm = make_llm(args.model, guard=args.guard == "on", compile=not args.eager,
-                   report_dir=args.report_dir)
-    started = time.time()
-    result = run(args.scenario, llm, recorder)
+    with debug:
+        llm = make_llm(args.model, guard=args.guard == "on", compile=not args.eager,
+                       report_dir=args.report_dir, max_num_batched_tokens=args.max_num_batched_tokens)
+        started = time.time()
+        r3_prompt = R3_PROMPT if args.r3_prompt_len == len(R3_PROMPT) else [
+            (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
+        result = run(args.scenario, llm, recorder, r3_prompt)
     result.update(
         scenario=args.scenario, guard=args.guard, compiled=not args.eager,
         vllm=vllm.__version__, engine_start_s=round(started - start, 1),
