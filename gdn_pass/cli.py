@@ -161,12 +161,14 @@ def cmd_dump(args) -> int:
 
 # -- check -------------------------------------------------------------------
 VLLM_SCENARIOS = {
-    # name: (description, scenario args)
+    # name: (description, reference scenario, scenario args). The reference is
+    # R3 alone in a fresh engine, or, when chunk boundaries depend on the batch
+    # (bf16 numerics differ with them), R3 next to R2 on a never-used slot.
     "fresh-one-token-next-to-decodes": (
-        "a fresh one-token request next to a decode, on a recycled state slot", ()),
+        "a fresh one-token request next to a decode, on a recycled state slot", "isolated", ()),
     "fresh-chunked-prefill": (
         "a fresh 40-token request split into 16-token chunks next to a decode, on a recycled slot",
-        ("--r3-prompt-len", "40", "--max-num-batched-tokens", "16")),
+        "clean", ("--r3-prompt-len", "40", "--max-num-batched-tokens", "16")),
 }
 
 
@@ -196,10 +198,10 @@ def _check_vllm(model: Path, workdir: Path):
 
     require_vllm()
     rows = []
-    for name, (description, extra) in VLLM_SCENARIOS.items():
+    for name, (description, reference, extra) in VLLM_SCENARIOS.items():
         progress(f"scenario {name}: {description}")
         work = workdir / name
-        iso = run_vllm("isolated", "off", model, work, name=f"{name}-isolated", extra=extra)
+        iso = run_vllm(reference, "off", model, work, name=f"{name}-{reference}", extra=extra)
         verdicts, details = {}, []
         for guard in ("off", "on"):
             res = run_vllm("poisoned", guard, model, work, name=f"{name}-pass-{guard}", extra=extra)
@@ -210,7 +212,8 @@ def _check_vllm(model: Path, workdir: Path):
             verdicts[guard] = "FAIL" if diverging else "PASS"
             if diverging:
                 details.append(f"pass {guard}: R3 diverges ({_first_difference(iso['requests']['R3'], res['requests']['R3'])})")
-        rows.append((name, verdicts["off"], verdicts["on"], "; ".join(details) or "R3 equals its isolated run"))
+        rows.append((name, verdicts["off"], verdicts["on"],
+                     "; ".join(details) or f"R3 equals its {reference} run"))
     rows.append(("padding-rows", "N/A", "N/A",
                  "vLLM's CPU backend runs no CUDA graphs, so it never pads; see `check torch-gdn`"))
     return rows

@@ -87,10 +87,12 @@ class TorchGDNLayer(nn.Module):
         conv_state = conv_cache[slots]  # [B, C, W-1]  <- state read
         window = torch.cat([conv_state, qkv.transpose(1, 2)], dim=-1)  # [B, C, W-1+L]
         conv_cache[slots] = window[:, :, L:]  # write-back
-        x = torch.stack(
-            [(window[:, :, t : t + s.conv_kernel] * self.conv_weight).sum(-1) for t in range(L)], dim=1
-        )
-        x = F.silu(x.float())  # [B, L, C]
+        # Explicit loops, not comprehensions: depyf's decompiler (dump command)
+        # cannot rebuild the comprehension's bytecode on Python 3.11.
+        conv_out = []
+        for t in range(L):
+            conv_out.append((window[:, :, t : t + s.conv_kernel] * self.conv_weight).sum(-1))
+        x = F.silu(torch.stack(conv_out, dim=1).float())  # [B, L, C]
         q, k, v = x.split([s.num_k_heads * s.head_k_dim] * 2 + [s.num_v_heads * s.head_v_dim], dim=-1)
         rep = s.num_v_heads // s.num_k_heads
         q = F.normalize(q.view(B, L, s.num_k_heads, s.head_k_dim), dim=-1).repeat_interleave(rep, dim=2)

@@ -4,6 +4,8 @@
     poisoned : R1 runs and finishes, leaving its state slot dirty; R2 keeps
                decoding; R3 is admitted next to R2 in a step where every row
                has one token, on R1's recycled slot.
+    clean    : as poisoned without R1: R3 joins R2 at the same step, on a
+               never-used slot (same batch shapes and chunk boundaries).
     --r3-prompt-len N --max-num-batched-tokens M: R3 gets an N-token prompt
                that the scheduler splits into chunks of at most M tokens, so
                its first, fresh chunk runs next to R2's decode.
@@ -104,10 +106,13 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
 
+    steps = [0]
+
     def step_until(done):
         for _ in range(500):
             if done() or not engine.has_unfinished_requests():
                 return
+            steps[0] += 1
             for out in engine.step():
                 if out.finished:
                     c = out.outputs[0]
@@ -121,8 +126,11 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
         add("R1", R1_PROMPT, R1_TOKENS)
         add("R2", R2_PROMPT, R2_TOKENS)
         step_until(lambda: "R1" in finished)
+    elif scenario == "clean":
+        add("R2", R2_PROMPT, R2_TOKENS)
+        step_until(lambda: steps[0] >= R1_TOKENS)  # the steps R1 takes in "poisoned"
     add("R3", r3_prompt, R3_TOKENS)
-    step_until(lambda: "R3" in finished and (scenario != "poisoned" or "R2" in finished))
+    step_until(lambda: "R3" in finished and (scenario == "isolated" or "R2" in finished))
     return dict(
         requests={k.split("-")[0]: v for k, v in finished.items()},
         fresh_decode_steps=len(recorder.fresh_decode_steps()),
@@ -131,7 +139,7 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenario", choices=["isolated", "poisoned"])
+    ap.add_argument("scenario", choices=["isolated", "clean", "poisoned"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--guard", choices=["on", "off"], default="off")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no graph)")
