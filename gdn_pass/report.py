@@ -30,6 +30,9 @@ class StateRead:
     layer: str | None
     action: str  # "guarded_gather" | "guarded_op" | "already_guarded" | "left_alone" | "not_state"
     reason: str
+    guard: str | None = None  # "masked_load" | "where" | "guarded_op"
+    cache: str | None = None  # dtype[shape] of the state tensor, when the graph shows it
+    index_source: str | None = None  # the node that supplies the slot indices
 
 
 @dataclass
@@ -86,8 +89,9 @@ class PassReport:
         lines.append(f"  analyses {', '.join(self.analyses)}; graph changed: {self.graph_changed}")
         lines.append(f"  versions {self.versions}")
         for r in self.reads:
+            where = f" cache={r.cache} slots={r.index_source}" if r.cache else ""
             lines.append(
-                f"  - [{r.action}] {r.node}: {r.kind} {r.op} layer={r.layer} ({r.reason})"
+                f"  - [{r.action}] {r.node}: {r.kind} {r.op} layer={r.layer}{where} ({r.reason})"
             )
         return "\n".join(lines)
 

@@ -165,7 +165,8 @@ class GDNStatePass(CustomGraphPass):
             return reads + [
                 StateRead(node=g.read.name, kind="gather", op=str(g.read.target),
                           layer=g.cache.name, action="left_alone",
-                          reason="no staged metadata given to the pass")
+                          reason="no staged metadata given to the pass",
+                          cache=_describe(g.cache), index_source=g.index.name)
                 for g in gathers
             ]
         masked = self.masked_load and gated_gather.register_lowering() is None
@@ -178,7 +179,8 @@ class GDNStatePass(CustomGraphPass):
         for g in gathers:
             reads.append(StateRead(
                 node=g.read.name, kind="gather", op=str(g.read.target), layer=g.cache.name,
-                action="guarded_gather",
+                action="guarded_gather", guard="masked_load" if masked else "where",
+                cache=_describe(g.cache), index_source=g.index.name,
                 reason=f"{how}; {len(g.writes)} write-back(s) of padding rows "
                        + (f"sent to scratch slot {self.metadata.scratch_slot}"
                           if self.metadata.scratch_slot is not None
@@ -225,8 +227,9 @@ class GDNStatePass(CustomGraphPass):
             node.args = (guarded, *node.args[1:])
         else:
             node.target = guarded
-        read.action = "guarded_op"
-        read.reason = f"target swapped to {guarded.name()} (same schema)"
+        read.action, read.guard = "guarded_op", "guarded_op"
+        read.reason = (f"target swapped to {guarded.name()} (same schema); state reached through "
+                       "the forward context (layer.kv_cache), slots from the staged rows")
         return read
 
 
@@ -264,6 +267,13 @@ def _layer_name(node: torch.fx.Node, spec) -> str | None:
         value = getattr(value, "real_obj", getattr(value, "wrapped_obj", value))
     value = getattr(value, "value", value)  # vLLM's LayerName wraps a str
     return value if isinstance(value, str) else None
+
+
+def _describe(node: torch.fx.Node) -> str | None:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+    return None
 
 
 def _dump_graph(name: str, graph: torch.fx.Graph) -> None:
