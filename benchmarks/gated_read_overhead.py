@@ -1,6 +1,7 @@
 """Cost of gating graph-visible state reads, on a Qwen3-Next-shaped GDN decode step.
 
-Variants of one compiled decode step (torch-native recurrence), each captured
+Both example layers (torch-native recurrence, flash-linear-attention's fused
+recurrent kernel). Variants of one compiled decode step, each captured
 in a CUDA graph and timed by replay, interleaved round by round:
 
     unguarded     compiled without the pass (reads stale state: wrong, the floor)
@@ -61,9 +62,32 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32,256")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--models", default="torch,fla")
     args = ap.parse_args()
 
-    layer = TorchGDNLayer(QWEN3_NEXT_SHAPE, seed=0).cuda()
+    results = []
+    for recurrence in args.models.split(","):
+        layer = TorchGDNLayer(QWEN3_NEXT_SHAPE, seed=0, recurrence=recurrence).cuda()
+        results += bench_model(layer, recurrence, args)
+    write_results(results, args)
+
+
+def state_floor_ms(batch: int) -> float:
+    """Reading and writing every row's conv and recurrent state once at 4.3 TB/s."""
+    s = QWEN3_NEXT_SHAPE
+    row_bytes = 4 * (s.num_v_heads * s.head_k_dim * s.head_v_dim + s.conv_dim * (s.conv_kernel - 1))
+    return 2 * batch * row_bytes / 4.3e12 * 1e3
+
+
+def launches(runner, hidden, slots) -> int:
+    from torch._inductor.utils import run_and_get_code
+
+    with torch.no_grad():
+        _, code = run_and_get_code(runner.step_fn, hidden, runner.conv, runner.ssm, slots)
+    return "\n".join(code).count(".run(")
+
+
+def bench_model(layer, recurrence, args) -> list[dict]:
     results = []
     for B in (int(b) for b in args.batches.split(",")):
         torch._dynamo.reset()
@@ -79,6 +103,8 @@ def main() -> None:
             hidden, slots = batch.hidden.cuda(), batch.slots.cuda()
             fresh_slots = slots[:num_fresh].clone()
             graphs = {}
+            if fresh_fraction == 0.0:
+                kernels = {name: launches(r, hidden, slots) for name, r in runners.items()}
             for name, runner in runners.items():
                 runner.stage(batch)
                 step = lambda h, s, r=runner: r.step_fn(h, r.conv, r.ssm, s)  # noqa: E731
@@ -96,13 +122,17 @@ def main() -> None:
                 for name, graph in graphs.items():
                     times[name].append(time_graph(graph, args.iters))
             med = {name: statistics.median(t) for name, t in times.items()}
-            row = dict(batch=B, fresh_fraction=fresh_fraction, median_ms=med,
-                       ratio_to_unguarded={n: med[n] / med["unguarded"] for n in med})
+            row = dict(model=recurrence, batch=B, fresh_fraction=fresh_fraction, median_ms=med,
+                       ratio_to_unguarded={n: med[n] / med["unguarded"] for n in med},
+                       state_floor_ms=state_floor_ms(B), kernel_launches=kernels)
             results.append(row)
-            print(f"B={B:4d} fresh={fresh_fraction:.1f} " + "  ".join(
+            print(f"{recurrence} B={B:4d} fresh={fresh_fraction:.1f} launches={kernels} " + "  ".join(
                 f"{n}={med[n]:.4f}ms(x{row['ratio_to_unguarded'][n]:.3f})" for n in med), flush=True)
         del runners
+    return results
 
+
+def write_results(results, args) -> None:
     state_bytes = QWEN3_NEXT_SHAPE.num_v_heads * QWEN3_NEXT_SHAPE.head_k_dim * QWEN3_NEXT_SHAPE.head_v_dim * 4
     meta = dict(
         command="python benchmarks/gated_read_overhead.py " + " ".join(sys.argv[1:]),
@@ -117,15 +147,19 @@ def main() -> None:
     lines = [
         "# Gated state read overhead (GDN decode step, CUDA-graph replay)", "",
         f"`{meta['command']}` on {meta['device']}, torch {meta['torch']}, Triton {meta['triton']}.",
-        f"Qwen3-Next shape (HK=16, HV=32, K=V=128, hidden 2048), fp32 state, {NUM_SLOTS} slots; "
+        f"Qwen3-Next shape (HK=16, HV=32, K=V=128, hidden 2048), fp32 state, {NUM_SLOTS} slots, "
+        "decode (one token per row); "
         f"median of {args.rounds} interleaved rounds x {args.iters} replays.", "",
-        "| B | fresh rows | unguarded ms | masked | where | zero_first |",
-        "|---|---|---|---|---|---|",
+        "Launches: Triton kernel launches per step (unguarded / masked / where).",
+        "Floor: every row's conv + recurrent state read and written once at 4.3 TB/s.", "",
+        "| model | B | fresh rows | floor ms | unguarded ms | masked | where | zero_first | launches |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
-        m, q = r["median_ms"], r["ratio_to_unguarded"]
-        lines.append(f"| {r['batch']} | {r['fresh_fraction']:.0%} | {m['unguarded']:.4f} | "
-                     f"x{q['masked']:.3f} | x{q['where']:.3f} | x{q['zero_first']:.3f} |")
+        m, q, k = r["median_ms"], r["ratio_to_unguarded"], r["kernel_launches"]
+        lines.append(f"| {r['model']} | {r['batch']} | {r['fresh_fraction']:.0%} | {r['state_floor_ms']:.4f} | "
+                     f"{m['unguarded']:.4f} | x{q['masked']:.3f} | x{q['where']:.3f} | "
+                     f"x{q['zero_first']:.3f} | {k['unguarded']}/{k['masked']}/{k['where']} |")
     (out / "gated_read_overhead.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
