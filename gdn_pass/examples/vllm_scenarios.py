@@ -22,8 +22,11 @@ import argparse
 import contextlib
 import json
 import os
+import sys
 import time
 
+if "--multiprocessing" in sys.argv:  # engine core in its own process, as in serving
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine in this process
 
 R1_PROMPT, R1_TOKENS = list(range(10, 18)), 4
@@ -150,6 +153,8 @@ def main() -> None:
     ap.add_argument("--dump-dir", default=None, help="depyf dump folder")
     ap.add_argument("--r3-prompt-len", type=int, default=len(R3_PROMPT))
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--multiprocessing", action="store_true",
+                    help="engine core in a separate process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 

@@ -38,3 +38,10 @@ def test_dump_tiny_qwen3_next(tmp_path, capsys):
     before = list((tmp_path / "pass_on").glob("*gdn_pass_before*.py"))
     assert before and "guarded_" not in before[0].read_text()
     assert list((tmp_path / "pass_on").glob("*kernel*.py"))
+
+
+def test_demo_command(tmp_path, capsys):
+    assert main(["demo", "--workdir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "RESULT: bug reproduced without the pass, fixed with it" in out
+    assert "poisoned, pass off" in out and "DIVERGES" in out

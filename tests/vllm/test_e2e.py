@@ -59,3 +59,15 @@ def test_eager_engine_warns_once_that_nothing_is_guarded(engine_dir, qwen3_next_
     log = open(result["log"]).read()
     assert log.count("runs without compilation") == 1, log[-2000:]
     assert "vllm#51562" in log
+
+
+def test_fixed_with_engine_core_in_its_own_process(engine_dir, qwen3_next_checkpoint, demo):
+    """VLLM_ENABLE_V1_MULTIPROCESSING=1: the plugin installs the hook in the engine process."""
+    result = run_scenario("poisoned", "on", qwen3_next_checkpoint, engine_dir / "multiprocessing",
+                          python=sys.executable, extra_args=("--multiprocessing",))
+    iso = demo["results"]["isolated"]["requests"]["R3"]
+    r3 = result["requests"]["R3"]
+    assert r3["tokens"] == iso["tokens"]
+    assert max(abs(a - b) for a, b in zip(r3["logprobs"], iso["logprobs"])) <= LOGPROB_TOL
+    reports = gdn_pass.load_reports(result["report_dir"])
+    assert sum(r["action"] == "guarded_op" for rep in reports for r in rep["reads"]) == GDN_LAYERS
