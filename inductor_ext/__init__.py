@@ -1,6 +1,9 @@
-"""Inductor-side extensions of gdn-pass (lowerings, generated-code inspection).
+"""Inductor-side extensions of gdn-pass.
 
-The vLLM opaque-op guard needs none: it swaps an op for a guarded twin and
-Inductor emits it as the same fallback kernel. The masked-load lowering for
-graph-visible state gathers lands here with the torch-native path.
+- ``gated_gather``: the ``gdn_pass::gated_gather`` op and its Inductor
+  lowering, a masked indirect load that fuses into the kernels Inductor
+  generates (Triton and C++).
+
+The vLLM opaque-op guard needs no lowering: it swaps an op for a guarded twin
+that Inductor emits as the same fallback kernel.
 """
