@@ -5,7 +5,7 @@
         ...
         put   = aten.index_put.default(cache, [slots], new)
     after:
-        keep  = has_initial_state[:B] & valid[:B]        # staged buffers, read in place
+        keep  = reads_state[:B]                           # staged: valid & has_initial_state
         state = gdn_pass.gated_gather(cache, slots, keep)  # masked load: fresh/padding rows read 0
         ...
         fv    = argmax(valid[:B])                         # first real row
@@ -103,11 +103,7 @@ class GateBuilder:
         read = gather.read
         source = read.args[0]
         with self.graph.inserting_before(read):
-            keep = self.call(
-                aten.logical_and.default,
-                self.rows_of("has_initial_state", gather.index),
-                self.rows_of("valid", gather.index),
-            )
+            keep = self.rows_of("reads_state", gather.index)
             gated = self.gather(source, gather.index, keep)
         read.replace_all_uses_with(gated)
         self.graph.erase_node(read)

@@ -50,6 +50,7 @@ class StagedRowMetadata:
     Buffers (all of shape ``[max_rows]``, allocated once, never reallocated):
         has_initial_state: bool, the row has computed tokens before this step.
         valid: bool, the row is a real request row.
+        reads_state: bool, ``valid & has_initial_state``: the row may read its slot.
         state_slot: int64, the state slot the row reads and writes, or the
             first padding sentinel for padding rows.
     """
@@ -77,12 +78,16 @@ class StagedRowMetadata:
         self._storage = {
             "has_initial_state": torch.zeros(capacity, dtype=torch.bool, device=self.device),
             "valid": torch.zeros(capacity, dtype=torch.bool, device=self.device),
+            # valid & has_initial_state, precomputed so the compiled graph's
+            # gated load waits on one flag, not two.
+            "reads_state": torch.zeros(capacity, dtype=torch.bool, device=self.device),
             "state_slot": torch.full(
                 (capacity,), self.pad_slot_ids[0], dtype=torch.int64, device=self.device
             ),
         }
         self.has_initial_state = self._storage["has_initial_state"][: self.max_rows]
         self.valid = self._storage["valid"][: self.max_rows]
+        self.reads_state = self._storage["reads_state"][: self.max_rows]
         self.state_slot = self._storage["state_slot"][: self.max_rows]
         self.num_rows = 0
 
@@ -119,8 +124,10 @@ class StagedRowMetadata:
         self.valid[:n].copy_(valid)
         self.has_initial_state[:n].copy_(num_computed_tokens > 0, non_blocking=True)
         self.state_slot[:n].copy_(torch.where(valid, slots, self.pad_slot_ids[0]))
+        torch.logical_and(self.valid, self.has_initial_state, out=self.reads_state)
         self.valid[n:].fill_(False)
         self.has_initial_state[n:].fill_(False)
+        self.reads_state[n:].fill_(False)
         self.state_slot[n:].fill_(self.pad_slot_ids[0])
         self.num_rows = n
 

@@ -84,12 +84,12 @@ def register_lowering() -> str | None:
 
         def inner_fn(idx):
             row, rest = idx[:1], list(idx[1:])
-
-            def load():
-                slot = ops.indirect_indexing(load_index(row), num_slots, check=False, wrap_neg=False)
-                return load_cache([slot, *rest])
-
-            return ops.masked(load_keep(row), load, zero)
+            # The slot id is loaded outside the mask, in parallel with the
+            # flag: the state load then waits on one level of loads, as the
+            # unguarded gather does. A masked row's (possibly sentinel) slot
+            # id only forms an address that is never dereferenced.
+            slot = ops.indirect_indexing(load_index(row), num_slots, check=False, wrap_neg=False)
+            return ops.masked(load_keep(row), lambda: load_cache([slot, *rest]), zero)
 
         return ir.Pointwise.create(
             device=cache.get_device(),

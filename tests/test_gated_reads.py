@@ -116,7 +116,7 @@ def test_gate_is_inside_the_existing_kernels(scratch_slot):
         _, (u_code, *_) = run_and_get_code(unguarded.step_fn, batch.hidden, unguarded.conv, unguarded.ssm, batch.slots)
     assert len(kernels(g_code)) == len(kernels(u_code)) > 0
     # The masked load: the cache is read only under `keep ? load() : 0`.
-    assert "_gdn_pass_has_initial_state" in g_code and "_gdn_pass_valid" in g_code
+    assert "_gdn_pass_reads_state" in g_code and "_gdn_pass_valid" in g_code
     assert "? tmp" in g_code and "() : static_cast<decltype(" in g_code
     assert "_gdn_pass" not in u_code
 

@@ -129,7 +129,7 @@ def test_gate_inside_generated_triton_kernels(recurrence):
     g_code, u_code = "\n".join(g_code), "\n".join(u_code)
     launches = lambda code: code.count(".run(")  # noqa: E731
     assert launches(g_code) == launches(u_code) > 0, (launches(g_code), launches(u_code))
-    assert "_gdn_pass_has_initial_state" in g_code
+    assert "_gdn_pass_reads_state" in g_code
     report = gdn_pass.reports()[-1]
     guarded_reads = [r for r in report.reads if r.action == "guarded_gather"]
     assert len(guarded_reads) == 2, report.to_text()
