@@ -58,6 +58,7 @@ _BEHAVIOUR_MODULES = (
     "gdn_pass.opaque_ops",
     "gdn_pass.vllm.guarded_ops",
     "gdn_pass.vllm.state_guard",
+    "gdn_pass.vllm.piecewise",
 )
 
 _AUTO_FUNCTIONALIZED = tuple(
@@ -241,6 +242,8 @@ def _opaque_op_calls(graph: torch.fx.Graph):
         op = node.target
         if op in _AUTO_FUNCTIONALIZED and node.args:
             op = node.args[0]
+        if isinstance(op, torch._ops.OpOverloadPacket) and "default" in op.overloads():
+            op = op.default  # Dynamo-level graphs (vLLM's piecewise split) call packets
         if not isinstance(op, torch._ops.OpOverload):
             continue
         qualname = op.name()

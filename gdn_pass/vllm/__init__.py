@@ -11,10 +11,13 @@ __all__ = ["GDNStatePass", "install"]
 
 
 def install() -> None:
-    """Install the per-row metadata hook in this process (idempotent)."""
-    from gdn_pass.vllm import metadata_hook
+    """Install gdn-pass's vLLM hooks in this process (idempotent): the per-row
+    metadata hook, and the guard for GDN core ops that piecewise compilation
+    splits out of the compiled graphs."""
+    from gdn_pass.vllm import metadata_hook, piecewise
 
     metadata_hook.install()
+    piecewise.install()
 
 
 def __getattr__(name):

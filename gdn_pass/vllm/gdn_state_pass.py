@@ -19,8 +19,8 @@ class GDNStatePass(_TorchGDNStatePass, compat.inductor_pass_base()):
     """
 
     def __call__(self, graph):
-        from gdn_pass.vllm import metadata_hook
+        from gdn_pass.vllm import install
 
         # In-process engines may not have loaded plugins yet; installing is idempotent.
-        metadata_hook.install()
+        install()
         super().__call__(graph)

@@ -1,0 +1,77 @@
+"""Guard GDN core ops that vLLM's piecewise compilation keeps out of compiled graphs.
+
+In ``VLLM_COMPILE`` mode (vLLM's default on CUDA) the GDN core ops are
+splitting ops: vLLM cuts the Dynamo graph at them, compiles the pieces in
+between with Inductor, and calls each splitting op from a small stitching
+submodule that runs eagerly. No post-grad pass ever sees those ops, so when
+GDNStatePass is configured the same target swap is applied to the stitching
+submodules, right after vLLM splits the graph::
+
+    before:  submod_1: torch.ops.vllm.qwen_gdn_attention_core(qkv, b, a, out, layer)
+    after:   submod_1: torch.ops.gdn_pass.guarded_qwen_gdn_attention_core.default(qkv, b, a, out, layer)
+
+With ``splitting_ops=[]`` or Inductor graph partition the ops stay inside
+the compiled graph, and the post-grad pass guards them there.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+
+__all__ = ["install", "is_installed"]
+
+_MARK = "__gdn_pass_wrapped__"
+_BACKEND_CONFIG: contextvars.ContextVar = contextvars.ContextVar("gdn_pass_vllm_config", default=None)
+
+
+def _backends():
+    import vllm.compilation.backends as backends
+
+    return backends
+
+
+def is_installed() -> bool:
+    return getattr(_backends().split_graph, _MARK, False)
+
+
+def install() -> bool:
+    """Wrap vLLM's ``split_graph`` and ``VllmBackend.__call__`` (idempotent)."""
+    backends = _backends()
+    if getattr(backends.split_graph, _MARK, False):
+        return False
+    original_split = backends.split_graph
+    original_call = backends.VllmBackend.__call__
+
+    @functools.wraps(original_call)
+    def backend_call(self, graph, example_inputs):
+        token = _BACKEND_CONFIG.set(self.vllm_config)
+        try:
+            return original_call(self, graph, example_inputs)
+        finally:
+            _BACKEND_CONFIG.reset(token)
+
+    @functools.wraps(original_split)
+    def split_graph(graph, splitting_ops):
+        split_gm, items = original_split(graph, splitting_ops)
+        gdn_pass = _configured_pass(_BACKEND_CONFIG.get())
+        if gdn_pass is not None:
+            for item in items:
+                if item.is_splitting_graph:
+                    gdn_pass(item.graph.graph)
+                    item.graph.recompile()
+        return split_gm, items
+
+    setattr(split_graph, _MARK, True)
+    backends.split_graph = split_graph
+    backends.VllmBackend.__call__ = backend_call
+    return True
+
+
+def _configured_pass(vllm_config):
+    from gdn_pass.vllm.gdn_state_pass import GDNStatePass
+
+    if vllm_config is None:
+        return None
+    configured = vllm_config.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
+    return configured if isinstance(configured, GDNStatePass) else None

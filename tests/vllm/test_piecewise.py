@@ -1,0 +1,108 @@
+"""VLLM_COMPILE piecewise mode: GDN core ops are splitting ops, outside every
+compiled graph. The guard must still apply, in vLLM's stitching submodules.
+
+Driven on CPU through vLLM's own compile backend (VllmBackend via
+@support_torch_compile), as vLLM's tests/compile do. The CPU platform rewrites
+the mode to DYNAMO_TRACE_ONCE, so the test sets VLLM_COMPILE back after the
+config is built; backend="eager" because vLLM's post-grad utilities need CUDA
+ops. The splitting op is a test op registered as a known GDN core op: it adds
+the layer's recurrent state at the row's slot to its input, so a stale slot
+shows in the output.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+import gdn_pass
+from gdn_pass import opaque_ops
+from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm import GDNStatePass, install
+from gdn_pass.vllm.state_guard import ROWS_ATTR
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig, set_current_vllm_config
+from vllm.forward_context import get_forward_context, set_forward_context
+
+OP = "vllm::gdn_pass_test_core"
+LAYER = "model.layers.0.linear_attn"
+SLOT = 3
+
+_lib = torch.library.Library("vllm", "FRAGMENT")
+_lib.define("gdn_pass_test_core(Tensor x, Tensor(a!) out, str layer_name) -> ()")
+
+
+def _core(x, out, layer_name):
+    context = get_forward_context()
+    layer = context.no_compile_layers[layer_name]
+    slot = int(context.attn_metadata[layer.prefix].state_slot)
+    out.copy_(x + layer.kv_cache[1][slot].sum())
+
+
+_lib.impl("gdn_pass_test_core", _core, "CPU")
+_lib._register_fake("gdn_pass_test_core", lambda x, out, layer_name: None)
+
+
+@support_torch_compile
+class TinyGDNModel(nn.Module):
+    def __init__(self, *, vllm_config, prefix="", **kwargs):
+        super().__init__()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        out = torch.empty_like(y)
+        torch.ops.vllm.gdn_pass_test_core(y, out, LAYER)
+        return out + 1
+
+
+def piecewise_config(guard: bool) -> VllmConfig:
+    inductor = {"post_grad_custom_post_pass": GDNStatePass()} if guard else {}
+    config = VllmConfig(compilation_config=CompilationConfig(
+        splitting_ops=[OP], cudagraph_mode=CUDAGraphMode.NONE, inductor_compile_config=inductor))
+    cc = config.compilation_config
+    cc.mode, cc.backend, cc.compile_sizes = CompilationMode.VLLM_COMPILE, "eager", []
+    for name, value in vars(cc.pass_config).items():
+        if isinstance(value, bool):
+            setattr(cc.pass_config, name, False)  # fusion passes that need CUDA
+    return config
+
+
+@pytest.fixture
+def known_test_op(monkeypatch):
+    monkeypatch.setitem(opaque_ops.KNOWN_OPAQUE_STATE_OPS, OP,
+                        opaque_ops.OpaqueStateOp(OP, ("x", "out", "layer_name")))
+    monkeypatch.setenv("VLLM_DISABLE_COMPILE_CACHE", "1")
+    install()
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def run_fresh_row_on_stale_slot(config: VllmConfig) -> torch.Tensor:
+    with set_current_vllm_config(config):
+        model = TinyGDNModel(vllm_config=config, prefix="")
+    conv = torch.zeros(8, 2, 3)
+    ssm = torch.zeros(8, 2, 4, 4)
+    ssm[SLOT] = 6.0  # previous owner's state
+    layer = SimpleNamespace(prefix=LAYER, kv_cache=(conv, ssm))
+    config.compilation_config.static_forward_context[LAYER] = layer
+    rows = StagedRowMetadata(4, pad_slot_ids=(-1,))
+    rows.stage(num_computed_tokens=torch.tensor([0]), query_lens=torch.tensor([1]),
+               state_slots=torch.tensor([SLOT]))  # a brand-new request
+    metadata = SimpleNamespace(state_slot=SLOT, **{ROWS_ATTR: rows})
+    with set_forward_context({LAYER: metadata}, config):
+        return model(torch.ones(4))
+
+
+def test_splitting_op_is_guarded_in_the_stitching_graph(known_test_op):
+    gdn_pass.clear_reports()
+    out = run_fresh_row_on_stale_slot(piecewise_config(guard=True))
+    torch.testing.assert_close(out, torch.full((4,), 3.0))  # 2*1 + zero state + 1
+    guarded = [r for rep in gdn_pass.reports() for r in rep.reads if r.action == "guarded_op"]
+    assert [(r.op, r.layer) for r in guarded] == [(OP, LAYER)]
+
+
+def test_without_the_pass_the_stale_slot_leaks(known_test_op):
+    out = run_fresh_row_on_stale_slot(piecewise_config(guard=False))
+    torch.testing.assert_close(out, torch.full((4,), 3.0 + 6.0 * 32))
