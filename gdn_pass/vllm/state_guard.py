@@ -6,7 +6,8 @@ forward context, exactly as the original op finds its caches.
 
     fresh = rows.valid & ~rows.has_initial_state
     for cache in layer.kv_cache:          # conv state, recurrent state, ...
-        cache[rows.state_slot[fresh]] = 0
+        cache[rows.state_slot[fresh]] = 0     # on CUDA: one sync-free Triton launch,
+                                              # capturable in a full CUDA graph
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm.zero_rows import zero_rows
 
 __all__ = ["ROWS_ATTR", "GuardError", "zero_fresh_state"]
 
@@ -50,14 +52,6 @@ def zero_fresh_state(layer_name: str) -> None:
             "(its vllm.general_plugins entry point installs the hook) or call "
             "gdn_pass.vllm.install() before the engine starts."
         )
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise GuardError(
-            "gdn-pass's op-level guard cannot run inside CUDA-graph capture yet "
-            "(data-dependent slot selection); keep GDN core ops as splitting ops "
-            "(vLLM's default) so they run outside the captured graph"
-        )
-    slots = rows.fresh_slots()
-    if slots.numel() == 0:
-        return
+    fresh = rows.fresh_rows()
     for cache in layer.kv_cache:
-        cache.index_fill_(0, slots.to(cache.device), 0)
+        zero_rows(cache, rows.state_slot, fresh)

@@ -1,0 +1,73 @@
+"""Zero the state slots of fresh rows, without a host sync, capturable in a CUDA graph.
+
+    for b in range(max_rows):            # one Triton program per (row, block)
+        if fresh[b]:
+            cache[slot[b]] = 0
+
+Shapes: ``cache [num_slots, *S]`` (a slot's elements dense in memory, any
+order; the slot stride may exceed them, as in vLLM's shared page pool),
+``slot [max_rows]`` integer, ``fresh [max_rows]`` bool. Rows that are not
+fresh write nothing, so padding rows and sentinel slot ids are never
+dereferenced. The grid depends only on ``max_rows``, so one captured graph
+serves every step while the staged buffers are refreshed in place.
+
+On CPU (or for a layout the kernel does not cover, outside capture) the
+fresh slots are selected on the host and zeroed with ``index_fill_``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["zero_rows"]
+
+_BLOCK = 1024
+
+
+def zero_rows(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> None:
+    if cache.is_cuda and _dense_slots(cache):
+        _zero_rows_triton(cache, slot, fresh)
+        return
+    if cache.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"gdn-pass cannot zero fresh slots of a {tuple(cache.shape)} state with strides "
+            f"{cache.stride()} inside CUDA-graph capture: a slot's elements are not dense"
+        )
+    slots = slot[fresh]
+    if slots.numel():
+        cache.index_fill_(0, slots.to(cache.device), 0)
+
+
+def _dense_slots(cache: torch.Tensor) -> bool:
+    from torch._prims_common import is_non_overlapping_and_dense
+
+    return cache.dim() >= 1 and cache.shape[0] > 0 and is_non_overlapping_and_dense(cache[0])
+
+
+_kernel = None
+
+
+def _zero_rows_triton(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> None:
+    global _kernel
+    if _kernel is None:
+        _kernel = _build_kernel()
+    slot_numel = cache[0].numel()
+    grid = (slot.numel(), (slot_numel + _BLOCK - 1) // _BLOCK)
+    _kernel[grid](cache, slot, fresh, cache.stride(0), slot_numel, BLOCK=_BLOCK)
+
+
+def _build_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def zero_fresh_rows(cache_ptr, slot_ptr, fresh_ptr, slot_stride, slot_numel, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        block = tl.program_id(1)
+        if tl.load(fresh_ptr + row).to(tl.int1):
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            offs = block * BLOCK + tl.arange(0, BLOCK)
+            ptrs = cache_ptr + slot * slot_stride + offs
+            tl.store(ptrs, tl.zeros([BLOCK], dtype=cache_ptr.dtype.element_ty), mask=offs < slot_numel)
+
+    return zero_fresh_rows
