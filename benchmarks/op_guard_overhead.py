@@ -61,10 +61,10 @@ def main():
     conv = torch.randn(SLOTS, CONV_DIM, 3, device="cuda", dtype=torch.bfloat16)
     ssm = torch.randn(SLOTS, HV, K, V, device="cuda")
     rows_out = []
-    for B in (1, 32, 256):
+    for B, num_fresh in ((1, 0), (1, 1), (32, 0), (32, 1), (32, 16), (256, 0), (256, 1), (256, 128)):
         rows = StagedRowMetadata(B, device="cuda", pad_slot_ids=(-1, 0))
         slots = torch.arange(1, B + 1, device="cuda")
-        rows.stage(num_computed_tokens=torch.tensor([0 if i % 2 == 0 else 5 for i in range(B)]),
+        rows.stage(num_computed_tokens=torch.tensor([0 if i < num_fresh else 5 for i in range(B)]),
                    query_lens=torch.ones(B, dtype=torch.int64), state_slots=slots.cpu())
         q = torch.nn.functional.normalize(torch.randn(B, 1, HV, K, device="cuda"), dim=-1)
         k = torch.nn.functional.normalize(torch.randn(B, 1, HV, K, device="cuda"), dim=-1)
@@ -88,10 +88,10 @@ def main():
             for n, gr in graphs.items():
                 times[n].append(time_ms(gr))
         med = {n: statistics.median(t) for n, t in times.items()}
-        row = dict(batch=B, fresh_fraction=0.5, step_ms=med["step"], guard_ms=med["guard"],
+        row = dict(batch=B, fresh_rows=num_fresh, step_ms=med["step"], guard_ms=med["guard"],
                    guard_over_step=med["guard"] / med["step"])
         rows_out.append(row)
-        print(f"B={B:4d} step={med['step']:.4f}ms guard={med['guard']:.4f}ms ratio={row['guard_over_step']:.3f}", flush=True)
+        print(f"B={B:4d} fresh={num_fresh:3d} step={med['step']:.4f}ms guard={med['guard']:.4f}ms ratio={row['guard_over_step']:.3f}", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(command="python benchmarks/op_guard_overhead.py", device=torch.cuda.get_device_name(),

@@ -39,9 +39,15 @@ def zero_rows(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> N
 
 
 def _dense_slots(cache: torch.Tensor) -> bool:
-    from torch._prims_common import is_non_overlapping_and_dense
-
-    return cache.dim() >= 1 and cache.shape[0] > 0 and is_non_overlapping_and_dense(cache[0])
+    """Do a slot's elements fill exactly ``numel`` consecutive elements (in any order)?"""
+    if cache.dim() < 1 or cache.shape[0] == 0:
+        return False
+    expected = 1
+    for stride, size in sorted((s, n) for s, n in zip(cache.stride()[1:], cache.shape[1:]) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 _kernel = None
