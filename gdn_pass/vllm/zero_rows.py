@@ -1,6 +1,6 @@
 """Zero the state slots of fresh rows, without a host sync, capturable in a CUDA graph.
 
-    for b in range(max_rows):            # one Triton program per (row, block)
+    for b in range(max_rows):            # Triton programs per (row, slice of the slot)
         if fresh[b]:
             cache[slot[b]] = 0
 
@@ -22,6 +22,10 @@ import torch
 __all__ = ["zero_rows"]
 
 _BLOCK = 1024
+# Programs per row: a row that is not fresh costs these many programs that
+# exit at once, so keep it small; a fresh row is zeroed by this many programs
+# looping over its slot.
+_SLICES = 16
 
 
 def zero_rows(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> None:
@@ -58,8 +62,9 @@ def _zero_rows_triton(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tens
     if _kernel is None:
         _kernel = _build_kernel()
     slot_numel = cache[0].numel()
-    grid = (slot.numel(), (slot_numel + _BLOCK - 1) // _BLOCK)
-    _kernel[grid](cache, slot, fresh, cache.stride(0), slot_numel, BLOCK=_BLOCK)
+    slices = min(_SLICES, (slot_numel + _BLOCK - 1) // _BLOCK)
+    per_slice = (slot_numel + slices - 1) // slices
+    _kernel[(slot.numel(), slices)](cache, slot, fresh, cache.stride(0), slot_numel, per_slice, BLOCK=_BLOCK)
 
 
 def _build_kernel():
@@ -67,13 +72,17 @@ def _build_kernel():
     import triton.language as tl
 
     @triton.jit
-    def zero_fresh_rows(cache_ptr, slot_ptr, fresh_ptr, slot_stride, slot_numel, BLOCK: tl.constexpr):
+    def zero_fresh_rows(cache_ptr, slot_ptr, fresh_ptr, slot_stride, slot_numel, per_slice,
+                        BLOCK: tl.constexpr):
         row = tl.program_id(0)
-        block = tl.program_id(1)
+        part = tl.program_id(1)
         if tl.load(fresh_ptr + row).to(tl.int1):
             slot = tl.load(slot_ptr + row).to(tl.int64)
-            offs = block * BLOCK + tl.arange(0, BLOCK)
-            ptrs = cache_ptr + slot * slot_stride + offs
-            tl.store(ptrs, tl.zeros([BLOCK], dtype=cache_ptr.dtype.element_ty), mask=offs < slot_numel)
+            start = part * per_slice
+            end = tl.minimum(start + per_slice, slot_numel)
+            zeros = tl.zeros([BLOCK], dtype=cache_ptr.dtype.element_ty)
+            for offset in range(start, end, BLOCK):
+                offs = offset + tl.arange(0, BLOCK)
+                tl.store(cache_ptr + slot * slot_stride + offs, zeros, mask=offs < end)
 
     return zero_fresh_rows
