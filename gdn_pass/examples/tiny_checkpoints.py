@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["QWEN3_NEXT_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS"]
+__all__ = ["QWEN3_NEXT_CONFIG", "QWEN3_NEXT_1K_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS"]
 
 QWEN3_NEXT_CONFIG = {
     "architectures": ["Qwen3NextForCausalLM"],
@@ -146,8 +146,24 @@ def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{p}.mlp.down_proj.weight", (h, inter)
 
 
+# A larger Qwen3-Next shape for latency measurements: hidden 1024, 8 layers of
+# which 6 GDN.
+QWEN3_NEXT_1K_CONFIG = {
+    **QWEN3_NEXT_CONFIG,
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
+    "num_attention_heads": 8,
+    "linear_num_key_heads": 4,
+    "linear_num_value_heads": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+
 CHECKPOINTS = {
     "qwen3_next": (QWEN3_NEXT_CONFIG, _qwen3_next_tensors),
+    "qwen3_next_1k": (QWEN3_NEXT_1K_CONFIG, _qwen3_next_tensors),
     "llama": (LLAMA_CONFIG, _llama_tensors),
 }
 

@@ -35,7 +35,7 @@ R3_PROMPT, R3_TOKENS = [7], 8
 
 
 def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None,
-             max_num_batched_tokens: int | None = None):
+             max_num_batched_tokens: int | None = None, **engine_overrides):
     from vllm import LLM
 
     compilation_config: dict = {}
@@ -45,7 +45,7 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
         compilation_config["inductor_compile_config"] = {
             "post_grad_custom_post_pass": GDNStatePass(report_dir=report_dir)
         }
-    return LLM(
+    engine_args = dict(
         model=model,
         skip_tokenizer_init=True,
         dtype="bfloat16",
@@ -58,9 +58,11 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
         # On CPU this fraction reserves host memory; the tiny model needs little.
         gpu_memory_utilization=0.3,
         compilation_config=compilation_config or None,
-        **({"max_num_batched_tokens": max_num_batched_tokens, "enable_chunked_prefill": True}
-           if max_num_batched_tokens else {}),
     )
+    if max_num_batched_tokens:
+        engine_args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+    engine_args.update(engine_overrides)
+    return LLM(**engine_args)
 
 
 class StepRecorder:
