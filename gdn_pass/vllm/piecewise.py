@@ -32,12 +32,20 @@ def _backends():
 
 
 def is_installed() -> bool:
-    return getattr(_backends().split_graph, _MARK, False)
+    return getattr(getattr(_backends(), "split_graph", None), _MARK, False)
 
 
 def install() -> bool:
     """Wrap vLLM's ``split_graph`` and ``VllmBackend.__call__`` (idempotent)."""
     backends = _backends()
+    if not hasattr(backends, "split_graph") or not hasattr(backends, "VllmBackend"):
+        from gdn_pass._logging import logger
+
+        logger.warning(
+            "this vLLM has no vllm.compilation.backends.split_graph/VllmBackend: GDN core ops "
+            "split out of piecewise-compiled graphs (VLLM_COMPILE) will not be guarded; "
+            "use splitting_ops=[] or report the vLLM version")
+        return False
     if getattr(backends.split_graph, _MARK, False):
         return False
     original_split = backends.split_graph
@@ -45,7 +53,7 @@ def install() -> bool:
 
     @functools.wraps(original_call)
     def backend_call(self, graph, example_inputs):
-        token = _BACKEND_CONFIG.set(self.vllm_config)
+        token = _BACKEND_CONFIG.set(getattr(self, "vllm_config", None))
         try:
             return original_call(self, graph, example_inputs)
         finally:
