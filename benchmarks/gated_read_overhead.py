@@ -27,33 +27,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_graph_timing import capture, replay_ms  # noqa: E402
 from gdn_pass.examples.gdn_runner import GDNRunner, make_batch  # noqa: E402
 from gdn_pass.examples.torch_gdn import QWEN3_NEXT_SHAPE, TorchGDNLayer  # noqa: E402
 
 NUM_SLOTS = 1024
-
-
-def capture(fn, hidden, slots):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.no_grad():
-        for _ in range(3):
-            fn(hidden, slots)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        fn(hidden, slots)
-    return graph
-
-
-def time_graph(graph, iters):
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -120,7 +98,7 @@ def bench_model(layer, recurrence, args) -> list[dict]:
             times = {name: [] for name in graphs}
             for _ in range(args.rounds):  # interleaved: A B C D A B C D ...
                 for name, graph in graphs.items():
-                    times[name].append(time_graph(graph, args.iters))
+                    times[name].append(replay_ms(graph, args.iters))
             med = {name: statistics.median(t) for name, t in times.items()}
             row = dict(model=recurrence, batch=B, fresh_fraction=fresh_fraction, median_ms=med,
                        ratio_to_unguarded={n: med[n] / med["unguarded"] for n in med},

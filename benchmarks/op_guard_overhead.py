@@ -23,33 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.cuda_graph_timing import capture, replay_ms  # noqa: E402
 from gdn_pass.metadata import StagedRowMetadata  # noqa: E402
 from gdn_pass.vllm.zero_rows import zero_rows  # noqa: E402
 
 HK, HV, K, V, CONV_DIM, SLOTS = 16, 32, 128, 128, 8192, 1024
-
-
-def graph_of(fn):
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
-
-
-def time_ms(g, iters=100):
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    a.record()
-    for _ in range(iters):
-        g.replay()
-    b.record()
-    torch.cuda.synchronize()
-    return a.elapsed_time(b) / iters
 
 
 def main():
@@ -82,11 +60,11 @@ def main():
             zero_rows(conv, rows.state_slot, fresh)
             zero_rows(ssm, rows.state_slot, fresh)
 
-        graphs = {"step": graph_of(step), "guard": graph_of(guard)}
+        graphs = {"step": capture(step), "guard": capture(guard)}
         times = {n: [] for n in graphs}
         for _ in range(9):
             for n, gr in graphs.items():
-                times[n].append(time_ms(gr))
+                times[n].append(replay_ms(gr, 100))
         med = {n: statistics.median(t) for n, t in times.items()}
         row = dict(batch=B, fresh_rows=num_fresh, step_ms=med["step"], guard_ms=med["guard"],
                    guard_over_step=med["guard"] / med["step"])
