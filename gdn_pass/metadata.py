@@ -51,6 +51,7 @@ class StagedRowMetadata:
         has_initial_state: bool, the row has computed tokens before this step.
         valid: bool, the row is a real request row.
         reads_state: bool, ``valid & has_initial_state``: the row may read its slot.
+        fresh: bool, ``valid & ~has_initial_state``: the row's slot must read as zero.
         state_slot: int64, the state slot the row reads and writes, or the
             first padding sentinel for padding rows.
     """
@@ -81,6 +82,8 @@ class StagedRowMetadata:
             # valid & has_initial_state, precomputed so the compiled graph's
             # gated load waits on one flag, not two.
             "reads_state": torch.zeros(capacity, dtype=torch.bool, device=self.device),
+            # valid & ~has_initial_state, staged once per step for every layer's guard.
+            "fresh": torch.zeros(capacity, dtype=torch.bool, device=self.device),
             "state_slot": torch.full(
                 (capacity,), self.pad_slot_ids[0], dtype=torch.int64, device=self.device
             ),
@@ -88,6 +91,7 @@ class StagedRowMetadata:
         self.has_initial_state = self._storage["has_initial_state"][: self.max_rows]
         self.valid = self._storage["valid"][: self.max_rows]
         self.reads_state = self._storage["reads_state"][: self.max_rows]
+        self.fresh = self._storage["fresh"][: self.max_rows]
         self.state_slot = self._storage["state_slot"][: self.max_rows]
         self.num_rows = 0
 
@@ -124,10 +128,11 @@ class StagedRowMetadata:
         self.valid[:n].copy_(valid)
         self.has_initial_state[:n].copy_(num_computed_tokens > 0, non_blocking=True)
         self.state_slot[:n].copy_(torch.where(valid, slots, self.pad_slot_ids[0]))
-        torch.logical_and(self.valid, self.has_initial_state, out=self.reads_state)
         self.valid[n:].fill_(False)
         self.has_initial_state[n:].fill_(False)
-        self.reads_state[n:].fill_(False)
+        torch.logical_and(self.valid, self.has_initial_state, out=self.reads_state)
+        torch.logical_not(self.has_initial_state, out=self.fresh)
+        self.fresh.logical_and_(self.valid)
         self.state_slot[n:].fill_(self.pad_slot_ids[0])
         self.num_rows = n
 
@@ -136,8 +141,8 @@ class StagedRowMetadata:
         return dict(self._storage)
 
     def fresh_rows(self) -> torch.Tensor:
-        """``[max_rows]`` bool: real rows that have no prior state."""
-        return self.valid & ~self.has_initial_state
+        """``[max_rows]`` bool: real rows that have no prior state (the staged buffer)."""
+        return self.fresh
 
     def fresh_slots(self) -> torch.Tensor:
         """Slot ids of the fresh rows (data-dependent size: host sync on GPU)."""

@@ -70,7 +70,7 @@ def test_random_batches_every_size_storage_fixed(seed):
     rows = StagedRowMetadata(max_rows, pad_slot_ids=(-1, 0))
     storage = {
         name: getattr(rows, name).untyped_storage().data_ptr()
-        for name in ("has_initial_state", "valid", "state_slot")
+        for name in ("has_initial_state", "valid", "state_slot", "reads_state", "fresh")
     }
     rng = random.Random(seed)
     for n in list(range(0, max_rows + 1)) + [rng.randint(0, max_rows) for _ in range(20)]:
