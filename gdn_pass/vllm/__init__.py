@@ -14,8 +14,9 @@ def install() -> None:
     """Install gdn-pass's vLLM hooks in this process (idempotent): the per-row
     metadata hook, and the guard for GDN core ops that piecewise compilation
     splits out of the compiled graphs."""
-    from gdn_pass.vllm import metadata_hook, piecewise
+    from gdn_pass.vllm import guarded_ops, metadata_hook, piecewise
 
+    guarded_ops.define_on_lookup()
     metadata_hook.install()
     piecewise.install()
 

@@ -3,6 +3,10 @@
 ``gdn_pass::guarded_<name>`` is defined from the original op's schema (only
 the name changes), so auto_functionalized, reinplacing, DCE and Inductor's
 fallback-kernel codegen treat it exactly like the original.
+
+Twins are defined when the pass rewrites a graph, and also on first lookup
+(``torch.ops.gdn_pass.guarded_<name>``): a compiled graph loaded from a cache
+in a fresh process calls the twin although no pass ran there.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import torch
 from gdn_pass.opaque_ops import OpaqueStateOp
 from gdn_pass.vllm.state_guard import zero_fresh_state
 
-__all__ = ["guarded_overload", "guarded_name"]
+__all__ = ["guarded_overload", "guarded_name", "define_on_lookup"]
 
 _LIB = torch.library.Library("gdn_pass", "FRAGMENT")
 _DEFINED: dict[str, torch._ops.OpOverload] = {}
+_DEFINING: set[str] = set()  # Library.define probes the namespace for the new name
 
 
 def guarded_name(op: torch._ops.OpOverload) -> str:
@@ -26,7 +31,11 @@ def guarded_overload(op: torch._ops.OpOverload, spec: OpaqueStateOp) -> torch._o
     """Define (once per process) and return the guarded twin of ``op``."""
     name = guarded_name(op)
     if name not in _DEFINED:
-        _LIB.define(name + _schema_tail(op))
+        _DEFINING.add(name)
+        try:
+            _LIB.define(name + _schema_tail(op))
+        finally:
+            _DEFINING.discard(name)
         _LIB.impl(name, _guarded_impl(op, spec), "CompositeExplicitAutograd")
         _LIB._register_fake(name, _fake_impl)
         _DEFINED[name] = getattr(torch.ops.gdn_pass, name).default
@@ -62,3 +71,44 @@ def _guarded_impl(op: torch._ops.OpOverload, spec: OpaqueStateOp):
 
 def _fake_impl(*args, **kwargs) -> None:
     return None
+
+
+def _original_of(name: str) -> tuple[torch._ops.OpOverload, OpaqueStateOp]:
+    from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS
+
+    tail = name.removeprefix("guarded_")
+    for qualname, spec in KNOWN_OPAQUE_STATE_OPS.items():
+        namespace, op_name = qualname.split("::", 1)
+        if op_name == tail:
+            packet = getattr(getattr(torch.ops, namespace), op_name, None)
+            if packet is None:
+                break
+            return packet.default, spec
+    raise AttributeError(
+        f"gdn_pass::{name} guards {tail!r}, which is not a registered known GDN core op in "
+        "this process: import the model (or vLLM layer) that defines it before running a "
+        "graph compiled with gdn-pass, or clear the compile cache"
+    )
+
+
+class _GuardedNamespace(type(torch.ops.gdn_pass)):
+    # Op packets take their __module__ from the namespace's class; FX prints
+    # targets from it, so it must stay torch's.
+    __module__ = type(torch.ops.gdn_pass).__module__
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if not name.startswith("guarded_") or name in _DEFINED or name in _DEFINING:
+                raise
+        guarded_overload(*_original_of(name))
+        return super().__getattr__(name)
+
+
+def define_on_lookup() -> None:
+    """Let ``torch.ops.gdn_pass.guarded_<op>`` define the twin on first use."""
+    torch.ops.gdn_pass.__class__ = _GuardedNamespace
+
+
+define_on_lookup()
