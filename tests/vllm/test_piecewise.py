@@ -1,5 +1,8 @@
-"""VLLM_COMPILE piecewise mode: GDN core ops are splitting ops, outside every
-compiled graph. The guard must still apply, in vLLM's stitching submodules.
+"""VLLM_COMPILE modes. Piecewise: GDN core ops are splitting ops, outside every
+compiled graph, so the guard must apply in vLLM's stitching submodules. Full
+graph (``splitting_ops=[]``, what FULL CUDA graphs use) and Inductor graph
+partition: the op stays inside the one graph Inductor compiles, where the
+post-grad pass guards it.
 
 Driven on CPU through vLLM's own compile backend (VllmBackend via
 @support_torch_compile), as vLLM's tests/compile do. The CPU platform rewrites
@@ -56,12 +59,14 @@ class TinyGDNModel(nn.Module):
         return out + 1
 
 
-def piecewise_config(guard: bool) -> VllmConfig:
+def piecewise_config(guard: bool, *, splitting_ops=(OP,), graph_partition=False,
+                     backend="eager") -> VllmConfig:
     inductor = {"post_grad_custom_post_pass": GDNStatePass()} if guard else {}
     config = VllmConfig(compilation_config=CompilationConfig(
-        splitting_ops=[OP], cudagraph_mode=CUDAGraphMode.NONE, inductor_compile_config=inductor))
+        splitting_ops=list(splitting_ops), use_inductor_graph_partition=graph_partition,
+        cudagraph_mode=CUDAGraphMode.NONE, inductor_compile_config=inductor))
     cc = config.compilation_config
-    cc.mode, cc.backend, cc.compile_sizes = CompilationMode.VLLM_COMPILE, "eager", []
+    cc.mode, cc.backend, cc.compile_sizes = CompilationMode.VLLM_COMPILE, backend, []
     for name, value in vars(cc.pass_config).items():
         if isinstance(value, bool):
             setattr(cc.pass_config, name, False)  # fusion passes that need CUDA
@@ -106,3 +111,41 @@ def test_splitting_op_is_guarded_in_the_stitching_graph(known_test_op):
 def test_without_the_pass_the_stale_slot_leaks(known_test_op):
     out = run_fresh_row_on_stale_slot(piecewise_config(guard=False))
     torch.testing.assert_close(out, torch.full((4,), 3.0 + 6.0 * 32))
+
+
+@pytest.fixture
+def inductor_on_cpu(monkeypatch):
+    """vLLM's FixFunctionalizationPass looks up CUDA-only ``torch.ops._C`` ops
+    (rotary_embedding, fused_add_rms_norm, ...) that vLLM's CPU build lacks, as
+    soon as a graph holds an auto_functionalized node. It only rewrites those
+    ops, so on CPU it is skipped and Inductor defunctionalizes the rest itself."""
+    from vllm.compilation.passes.utility import fix_functionalization
+
+    monkeypatch.setattr(fix_functionalization.FixFunctionalizationPass, "__call__",
+                        lambda self, graph: None)
+
+
+FULL_GRAPH_MODES = {
+    "splitting_ops=[]": dict(splitting_ops=()),
+    "inductor_graph_partition": dict(splitting_ops=(OP,), graph_partition=True),
+}
+
+
+@pytest.mark.parametrize("mode", FULL_GRAPH_MODES)
+@pytest.mark.parametrize("guard", [False, True])
+def test_full_graph_modes_guard_inside_the_one_graph(known_test_op, inductor_on_cpu, mode, guard):
+    from gdn_pass.examples.coverage import record
+
+    gdn_pass.clear_reports()
+    config = piecewise_config(guard, backend="inductor", **FULL_GRAPH_MODES[mode])
+    out = run_fresh_row_on_stale_slot(config)
+    guarded = [r for rep in gdn_pass.reports() for r in rep.reads if r.action == "guarded_op"]
+    if not guard:
+        torch.testing.assert_close(out, torch.full((4,), 3.0 + 6.0 * 32))  # stale state leaks
+        assert not guarded
+        return
+    torch.testing.assert_close(out, torch.full((4,), 3.0))
+    assert [(r.op, r.layer, r.node.startswith("auto_functionalized")) for r in guarded] == [
+        (OP, LAYER, True)]
+    record("vllm_compile_test_op", mode, status="graph", detail=(
+        "stale slot leaks without the pass; guarded inside the single Inductor graph with it"))
