@@ -79,27 +79,43 @@ def compare(reference: dict, candidate: dict) -> dict:
 
 
 def run_demo(
-    workdir: Path, *, model: Path | None = None, python: str = sys.executable, progress=print
+    workdir: Path,
+    *,
+    model: Path | None = None,
+    kind: str = "qwen3_next",
+    python: str = sys.executable,
+    progress=print,
+    extra_args: tuple[str, ...] = (),
+    trigger: str = "poisoned",
 ) -> dict:
+    """The three engines for one checkpoint ``kind`` (see ``tiny_checkpoints.CHECKPOINTS``).
+
+    ``trigger`` is the scenario of the pass-off / pass-on runs ("poisoned", or
+    "recycled" where R3 runs alone after R1, as speculative decoding needs);
+    ``extra_args`` go to every engine, the isolated one included.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     if model is None:
-        model = write_checkpoint("qwen3_next", workdir / "tiny_qwen3_next", seed=0)
-        progress(f"wrote tiny Qwen3-Next checkpoint to {model}")
+        model = write_checkpoint(kind, workdir / f"tiny_{kind}", seed=0)
+        progress(f"wrote tiny {kind} checkpoint to {model}")
     results = {}
     for name in RUNS:
         start = time.time()
         progress(f"running {name} (fresh vLLM engine, compiled) ...")
         scenario, guard = RUNS[name]
-        results[name] = run_scenario(scenario, guard, model, workdir, name=name, python=python)
+        scenario = trigger if scenario == "poisoned" else scenario
+        results[name] = run_scenario(scenario, guard, model, workdir, name=name, python=python,
+                                     extra_args=extra_args)
         progress(f"  done in {time.time() - start:.0f}s")
     iso = results["isolated"]["requests"]["R3"]
     summary = {
         "r3_pass_off_vs_isolated": compare(iso, results["pass_off"]["requests"]["R3"]),
         "r3_pass_on_vs_isolated": compare(iso, results["pass_on"]["requests"]["R3"]),
-        "r2_pass_on_vs_pass_off": compare(
-            results["pass_off"]["requests"]["R2"], results["pass_on"]["requests"]["R2"]
-        ),
     }
+    if "R2" in results["pass_off"]["requests"]:
+        summary["r2_pass_on_vs_pass_off"] = compare(
+            results["pass_off"]["requests"]["R2"], results["pass_on"]["requests"]["R2"]
+        )
     return dict(results=results, summary=summary)
 
 
@@ -122,13 +138,14 @@ def format_table(demo: dict) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    r2 = summ["r2_pass_on_vs_pass_off"]
+    r2 = summ.get("r2_pass_on_vs_pass_off")
     lines.append("")
-    lines.append(
-        f"R2 (already decoding) with vs without the pass: "
-        f"{'identical' if r2['same_tokens'] and r2['max_logprob_diff'] == 0 else 'CHANGED'} "
-        f"(max logprob diff {r2['max_logprob_diff']})"
-    )
+    if r2 is not None:
+        lines.append(
+            f"R2 (already decoding) with vs without the pass: "
+            f"{'identical' if r2['same_tokens'] and r2['max_logprob_diff'] == 0 else 'CHANGED'} "
+            f"(max logprob diff {r2['max_logprob_diff']})"
+        )
     on = summ["r3_pass_on_vs_isolated"]
     lines.append(f"R3 pass on vs isolated: max logprob diff {on['max_logprob_diff']} (tolerance {LOGPROB_TOL})")
     return "\n".join(lines)
@@ -137,8 +154,9 @@ def format_table(demo: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="artifacts/demo")
+    ap.add_argument("--kind", default="qwen3_next", help="tiny checkpoint kind (model family)")
     args = ap.parse_args()
-    demo = run_demo(Path(args.workdir))
+    demo = run_demo(Path(args.workdir), kind=args.kind)
     print()
     print(format_table(demo))
     reports = list(Path(args.workdir, "reports_pass_on").glob("report_*.txt"))
@@ -146,8 +164,9 @@ def main() -> int:
         print()
         print(reports[0].read_text().rstrip())
     s = demo["summary"]
+    r2 = s.get("r2_pass_on_vs_pass_off", {"same_tokens": True})
     ok = (not s["r3_pass_off_vs_isolated"]["matches"] and s["r3_pass_on_vs_isolated"]["matches"]
-          and s["r2_pass_on_vs_pass_off"]["same_tokens"])
+          and r2["same_tokens"])
     print()
     print("RESULT:", "bug reproduced without the pass, fixed with it" if ok else "UNEXPECTED (see above)")
     return 0 if ok else 1

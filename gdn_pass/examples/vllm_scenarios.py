@@ -6,6 +6,9 @@
                has one token, on R1's recycled slot.
     clean    : as poisoned without R1: R3 joins R2 at the same step, on a
                never-used slot (same batch shapes and chunk boundaries).
+    recycled : R1 runs and finishes; R3 then runs alone on R1's slot. With
+               speculative decoding this is the trigger: a fresh row next to
+               a speculating R2 is reclassified as a prefill, alone it is not.
     --r3-prompt-len N --max-num-batched-tokens M: R3 gets an N-token prompt
                that the scheduler splits into chunks of at most M tokens, so
                its first, fresh chunk runs next to R2's decode.
@@ -127,7 +130,10 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
                     )
         raise RuntimeError("scenario did not finish in 500 steps")
 
-    if scenario == "poisoned":
+    if scenario == "recycled":
+        add("R1", R1_PROMPT, R1_TOKENS)
+        step_until(lambda: "R1" in finished)
+    elif scenario == "poisoned":
         add("R1", R1_PROMPT, R1_TOKENS)
         add("R2", R2_PROMPT, R2_TOKENS)
         step_until(lambda: "R1" in finished)
@@ -135,16 +141,30 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
         add("R2", R2_PROMPT, R2_TOKENS)
         step_until(lambda: steps[0] >= R1_TOKENS)  # the steps R1 takes in "poisoned"
     add("R3", r3_prompt, R3_TOKENS)
-    step_until(lambda: "R3" in finished and (scenario == "isolated" or "R2" in finished))
+    step_until(lambda: "R3" in finished and (scenario in ("isolated", "recycled") or "R2" in finished))
     return dict(
         requests={k.split("-")[0]: v for k, v in finished.items()},
         fresh_decode_steps=len(recorder.fresh_decode_steps()),
     )
 
 
+def parse_engine_args(items: list[str]) -> dict:
+    """``["k=v", ...]`` with JSON values (bare words stay strings)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--engine-arg {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key] = value
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("scenario", choices=["isolated", "clean", "poisoned"])
+    ap.add_argument("scenario", choices=["isolated", "clean", "poisoned", "recycled"])
     ap.add_argument("--model", required=True)
     ap.add_argument("--guard", choices=["on", "off"], default="off")
     ap.add_argument("--eager", action="store_true", help="enforce_eager=True (no graph)")
@@ -157,6 +177,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--multiprocessing", action="store_true",
                     help="engine core in a separate process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                    help="extra vLLM engine argument, e.g. enable_prefix_caching=true or "
+                         'speculative_config=\'{"method": "mtp", "num_speculative_tokens": 1}\'')
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
 
@@ -171,7 +194,8 @@ def main() -> None:
     recorder = StepRecorder()
     with debug:
         llm = make_llm(args.model, guard=args.guard == "on", compile=not args.eager,
-                       report_dir=args.report_dir, max_num_batched_tokens=args.max_num_batched_tokens)
+                       report_dir=args.report_dir, max_num_batched_tokens=args.max_num_batched_tokens,
+                       **parse_engine_args(args.engine_arg))
         started = time.time()
         r3_prompt = R3_PROMPT if args.r3_prompt_len == len(R3_PROMPT) else [
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
