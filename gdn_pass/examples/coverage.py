@@ -35,27 +35,40 @@ def record(family: str, mode: str, **evidence) -> None:
     tmp.replace(path)
 
 
-def _cell(evidence: dict) -> str:
+def _cell(evidence: dict) -> tuple[str, str | None]:
+    """Short table cell, and a note for below the table."""
     status = evidence.get("status")
     if status == "e2e":
-        ok = evidence.get("fixed") and evidence.get("reproduced") and evidence.get("r2_unchanged")
-        mark = "fixed" if ok else "NOT FIXED"
-        return f"{mark}: bug reproduced {'yes' if evidence.get('reproduced') else 'no'}, " \
-               f"pass on = isolated {'yes' if evidence.get('fixed') else 'no'}"
+        if evidence.get("reproduced") and evidence.get("fixed") and evidence.get("r2_unchanged", True):
+            return "fixed e2e", None
+        return "NOT FIXED", (f"reproduced={evidence.get('reproduced')}, fixed={evidence.get('fixed')}, "
+                             f"other rows unchanged={evidence.get('r2_unchanged')}")
     if status == "cpu_unsupported":
-        return f"CPU backend cannot run it: `{evidence.get('error', '')[:90]}`"
+        return "CPU backend cannot run it", f"`{evidence.get('error', '')}`"
     if status == "op_guard":
-        return f"core op guarded with poisoned slots: {evidence.get('detail', 'ok')}"
-    return evidence.get("detail", status or "?")
+        return "core op guarded (poisoned slots)", evidence.get("detail")
+    if status == "not_guardable":
+        return "not guardable by a graph pass", evidence.get("detail")
+    return evidence.get("cell", status or "?"), evidence.get("detail")
 
 
 def render(data: dict) -> str:
     modes = sorted({m for fam in data.values() for m in fam})
     rows = ["| family | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    notes = []
     for family in sorted(data):
-        cells = [_cell(data[family][m]) if m in data[family] else "not tested" for m in modes]
+        cells = []
+        for mode in modes:
+            if mode not in data[family]:
+                cells.append("")
+                continue
+            cell, note = _cell(data[family][mode])
+            if note:
+                notes.append(f"{len(notes) + 1}. {family}, {mode}: {note}")
+                cell += f" [{len(notes)}]"
+            cells.append(cell)
         rows.append(f"| {family} | " + " | ".join(cells) + " |")
-    return "\n".join(rows)
+    return "\n".join(rows + [""] + notes)
 
 
 def update_readme(readme: Path, table: str) -> None:

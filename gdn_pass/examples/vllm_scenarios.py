@@ -27,6 +27,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 if "--multiprocessing" in sys.argv:  # engine core in its own process, as in serving
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
@@ -37,10 +38,33 @@ R2_PROMPT, R2_TOKENS = list(range(30, 36)), 24
 R3_PROMPT, R3_TOKENS = [7], 8
 
 
+def load_model_classes_in_process(model: str) -> None:
+    """Import the checkpoint's architectures here, not in vLLM's inspection subprocess.
+
+    vLLM's Qwen3.5 / Qwen3-VL modules import a transformers image processor
+    that needs torchvision even for text-only models, and the project's
+    environments have none (PyPI only has CUDA builds of it). The import alias
+    that avoids it lives in this process, so the classes are imported here and
+    registered as classes, which vLLM then inspects in process.
+    """
+    from gdn_pass.examples.families.qwen3_5 import allow_import_without_torchvision
+
+    if not allow_import_without_torchvision():
+        return  # torchvision present: vLLM's own lazy inspection works
+    from vllm import ModelRegistry
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    for arch in config.get("architectures", []):
+        cls = ModelRegistry._try_load_model_cls(arch)
+        if cls is not None:
+            ModelRegistry.register_model(arch, cls)
+
+
 def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None,
              max_num_batched_tokens: int | None = None, **engine_overrides):
     from vllm import LLM
 
+    load_model_classes_in_process(model)
     compilation_config: dict = {}
     if guard:
         from gdn_pass.vllm import GDNStatePass
@@ -200,7 +224,10 @@ def main() -> None:
         r3_prompt = R3_PROMPT if args.r3_prompt_len == len(R3_PROMPT) else [
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
         result = run(args.scenario, llm, recorder, r3_prompt)
+    cache_config = llm.llm_engine.vllm_config.cache_config
     result.update(
+        mamba_cache_mode=cache_config.mamba_cache_mode,
+        enable_prefix_caching=cache_config.enable_prefix_caching,
         scenario=args.scenario, guard=args.guard, compiled=not args.eager,
         vllm=vllm.__version__, engine_start_s=round(started - start, 1),
         run_s=round(time.time() - started, 1),

@@ -15,9 +15,33 @@ FAMILY_MODULES = (
 )
 
 # Checkpoint kinds the family end-to-end test runs (tests/vllm/test_families.py).
-E2E_FAMILIES = ("qwen3_next",)
+E2E_FAMILIES = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "interns2_mobius",
+    "olmo_hybrid",
+    "bailing_moe_v3",
+    "kimi_linear",
+)
 
-# kind -> a substring of the exact error vLLM's CPU backend raises for it. The
-# e2e test skips with that error (and fails on any other); the family's core op
-# is then guarded directly with poisoned slots instead.
-CPU_LIMITS: dict[str, str] = {}
+# Engine arguments a family needs on top of the scenario's.
+FAMILY_ENGINE_ARGS: dict[str, tuple[str, ...]] = {
+    # Multimodal: without a tokenizer (skip_tokenizer_init) vLLM cannot build
+    # the image processor; text-only requests need none.
+    "interns2_mobius": ("--engine-arg", 'limit_mm_per_prompt={"image": 0, "video": 0}'),
+}
+
+# kind -> a substring of the error vLLM 0.30's CPU backend raises for it (found
+# in the failed engine's log). The e2e test skips with that error and fails on
+# any other; where the family has a core op, it is guarded directly with
+# poisoned slots instead (tests/vllm/test_family_op_guard_*.py).
+CPU_LIMITS: dict[str, str] = {
+    # OlmoHybridGatedDeltaNetAttention.__init__ calls set_triton_allocator
+    # unconditionally; vLLM's CPU build has no Triton.
+    "olmo_hybrid": "module 'triton' has no attribute 'set_allocator'",
+    # MLA makes the CPU platform turn prefix caching off after the hybrid
+    # config set mamba_block_size; VllmConfig then rejects the combination.
+    "bailing_moe_v3": "--mamba-block-size can only be set with --enable-prefix-caching",
+    "kimi_linear": "--mamba-block-size can only be set with --enable-prefix-caching",
+}

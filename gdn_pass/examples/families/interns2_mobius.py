@@ -1,0 +1,174 @@
+"""Tiny InternS2-Mobius checkpoint (``InternS2MobiusForConditionalGeneration``), text path.
+
+InternS2-Mobius is Qwen3.5-MoE shaped (Qwen3.5 Gated DeltaNet layers, gated
+full attention, a Qwen3-VL vision tower) with one twist: the routed experts
+live in ``num_blocks`` MoE banks (``model.language_model.meta_mlp.{b}``)
+shared by all decoder layers, layer ``i`` using bank ``i % num_blocks``; each
+layer keeps only its shared expert (``layers.{i}.mlp.shared_expert*``).
+
+Config: vLLM 0.30 has no config class for the published ``model_type``
+(``interns2_mobius``, remote code), so the tiny checkpoint declares
+``qwen3_5_moe``, vLLM's own config class, whose text config keeps the
+Mobius-only field ``num_blocks`` as a plain attribute. The architecture,
+and so the model class vLLM builds, is InternS2-Mobius's.
+
+Tensor names are those of the Hugging Face checkpoint as vLLM maps them
+(``model.language_model.*`` -> ``language_model.model.*``,
+``model.visual.*`` -> ``visual.*``; ``in_proj_qkv/z/b/a`` fused by
+``Qwen3_5Model.hf_to_vllm_mapper``). The vision tower is built by vLLM
+unless every modality's prompt limit is 0, so it is present but tiny
+(depth 1, hidden 32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+__all__ = ["INTERNS2_MOBIUS_CONFIG", "CHECKPOINTS"]
+
+_TEXT_CONFIG = {
+    "model_type": "qwen3_5_moe_text",
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "norm_topk_prob": True,
+    "num_blocks": 2,  # MoE banks shared across layers: layer i routes through bank i % 2
+    "layer_scale": False,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_VISION_CONFIG = {
+    "depth": 1,
+    "hidden_size": 32,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 256,  # = text hidden_size
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [],
+}
+
+INTERNS2_MOBIUS_CONFIG = {
+    "architectures": ["InternS2MobiusForConditionalGeneration"],
+    "model_type": "qwen3_5_moe",
+    "text_config": _TEXT_CONFIG,
+    "vision_config": _VISION_CONFIG,
+    # Special tokens at the top of the vocabulary, away from the prompt ids.
+    "image_token_id": 1020,
+    "video_token_id": 1021,
+    "vision_start_token_id": 1022,
+    "vision_end_token_id": 1023,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def _vision_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    d, inter, out = c["hidden_size"], c["intermediate_size"], c["out_hidden_size"]
+    merged = d * c["spatial_merge_size"] ** 2
+    v = "model.visual"
+    yield f"{v}.patch_embed.proj.weight", (d, c["in_channels"], c["temporal_patch_size"],
+                                           c["patch_size"], c["patch_size"])
+    yield f"{v}.patch_embed.proj.bias", (d,)
+    yield f"{v}.pos_embed.weight", (c["num_position_embeddings"], d)
+    for i in range(c["depth"]):
+        b = f"{v}.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            yield f"{b}.{norm}.weight", (d,)
+            yield f"{b}.{norm}.bias", (d,)
+        yield f"{b}.attn.qkv.weight", (3 * d, d)
+        yield f"{b}.attn.qkv.bias", (3 * d,)
+        yield f"{b}.attn.proj.weight", (d, d)
+        yield f"{b}.attn.proj.bias", (d,)
+        yield f"{b}.mlp.linear_fc1.weight", (inter, d)
+        yield f"{b}.mlp.linear_fc1.bias", (inter,)
+        yield f"{b}.mlp.linear_fc2.weight", (d, inter)
+        yield f"{b}.mlp.linear_fc2.bias", (d,)
+    m = f"{v}.merger"
+    yield f"{m}.norm.weight", (d,)  # pre-shuffle norm: over the unmerged width
+    yield f"{m}.norm.bias", (d,)
+    yield f"{m}.linear_fc1.weight", (merged, merged)
+    yield f"{m}.linear_fc1.bias", (merged,)
+    yield f"{m}.linear_fc2.weight", (out, merged)
+    yield f"{m}.linear_fc2.bias", (out,)
+
+
+def _interns2_mobius_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    c = config["text_config"]
+    h, v = c["hidden_size"], c["vocab_size"]
+    lm = "model.language_model"
+    yield f"{lm}.embed_tokens.weight", (v, h)
+    yield f"{lm}.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+    moe = c["moe_intermediate_size"]
+    for b in range(c["num_blocks"]):  # the shared routed-expert banks
+        bank = f"{lm}.meta_mlp.{b}"
+        yield f"{bank}.gate.weight", (c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            yield f"{bank}.experts.{e}.gate_proj.weight", (moe, h)
+            yield f"{bank}.experts.{e}.up_proj.weight", (moe, h)
+            yield f"{bank}.experts.{e}.down_proj.weight", (h, moe)
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv_dim = 2 * hk * dk + hv * dv
+    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    shared = c["shared_expert_intermediate_size"]
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"{lm}.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        if kind == "linear_attention":
+            a = f"{p}.linear_attn"
+            # Qwen3.5 layout: q, k, v and the output gate z as separate blocks
+            yield f"{a}.in_proj_qkv.weight", (conv_dim, h)
+            yield f"{a}.in_proj_z.weight", (hv * dv, h)
+            yield f"{a}.in_proj_b.weight", (hv, h)
+            yield f"{a}.in_proj_a.weight", (hv, h)
+            yield f"{a}.conv1d.weight", (conv_dim, 1, c["linear_conv_kernel_dim"])
+            yield f"{a}.dt_bias", (hv,)
+            yield f"{a}.A_log", (hv,)
+            yield f"{a}.norm.weight", (dv,)
+            yield f"{a}.out_proj.weight", (h, hv * dv)
+        else:
+            a = f"{p}.self_attn"
+            yield f"{a}.q_proj.weight", (2 * heads * hd, h)  # query + output gate
+            yield f"{a}.k_proj.weight", (kv_heads * hd, h)
+            yield f"{a}.v_proj.weight", (kv_heads * hd, h)
+            yield f"{a}.o_proj.weight", (h, heads * hd)
+            yield f"{a}.q_norm.weight", (hd,)
+            yield f"{a}.k_norm.weight", (hd,)
+        m = f"{p}.mlp"  # per-layer shared expert only; routed experts are in meta_mlp
+        yield f"{m}.shared_expert.gate_proj.weight", (shared, h)
+        yield f"{m}.shared_expert.up_proj.weight", (shared, h)
+        yield f"{m}.shared_expert.down_proj.weight", (h, shared)
+        yield f"{m}.shared_expert_gate.weight", (1, h)
+    yield from _vision_tensors(config["vision_config"])
+
+
+CHECKPOINTS = {"interns2_mobius": (INTERNS2_MOBIUS_CONFIG, _interns2_mobius_tensors)}

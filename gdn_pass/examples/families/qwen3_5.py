@@ -1,0 +1,176 @@
+"""Tiny Qwen3.5 checkpoints, dense (``Qwen3_5ForCausalLM``) and MoE (``Qwen3_5MoeForCausalLM``).
+
+Text-only variants: ``model_type`` is ``qwen3_5_text`` / ``qwen3_5_moe_text``
+(vLLM's ``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig``), so there is no
+``text_config`` nesting and no vision tower. vLLM builds both on Qwen3-Next's
+decoder, with two differences that decide the tensor names here:
+
+* the GDN input projections are stored unfused and in plain ``[q, k, v]``,
+  ``z``, ``b``, ``a`` order (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+  ``in_proj_a``); vLLM's ``Qwen3_5Model.hf_to_vllm_mapper`` stacks them into
+  ``in_proj_qkvz`` / ``in_proj_ba`` (``gqa_interleaved_layout=False``);
+* the dense model has a plain gated MLP in every layer, the MoE model a
+  routed-experts block plus a gated shared expert in every layer.
+
+On CPU the GDN layer (``QwenGatedDeltaNetAttention.forward_cpu``) calls the
+opaque op ``vllm::cpu_gdn_attention_core``, the same op as Qwen3-Next.
+
+Importing vLLM's ``qwen3_5`` model module needs torchvision even for the
+text-only classes: it imports ``qwen3_vl``, which imports ``smart_resize``
+from transformers' ``qwen2_vl.image_processing_qwen2_vl``, a module that
+imports ``torchvision.transforms.v2`` at top level (transformers 5.10 to
+5.24). PyPI has only CUDA builds of torchvision, which cannot load next to
+the CPU torch, so the project's environments have none.
+:func:`allow_import_without_torchvision` serves transformers' PIL variant of
+that module instead (same ``smart_resize``); call it in the engine process
+before vLLM loads the model.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+from collections.abc import Iterator
+
+_COMMON = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "num_hidden_layers": 4,
+    # 3 GDN layers then one gated full-attention layer.
+    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
+    "full_attention_interval": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "max_position_embeddings": 4096,
+    "rms_norm_eps": 1e-6,
+    # Plain (not multimodal) rope: no mrope_section, so positions stay 1-D.
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "partial_rotary_factor": 0.25,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": True,
+}
+
+QWEN3_5_CONFIG = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "model_type": "qwen3_5_text",
+    **_COMMON,
+    "intermediate_size": 512,
+}
+
+QWEN3_5_MOE_CONFIG = {
+    "architectures": ["Qwen3_5MoeForCausalLM"],
+    "model_type": "qwen3_5_moe_text",
+    **_COMMON,
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "shared_expert_intermediate_size": 128,
+    "norm_topk_prob": True,
+}
+
+
+def _qwen3_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    h, v = c["hidden_size"], c["vocab_size"]
+    yield "model.embed_tokens.weight", (v, h)
+    yield "model.norm.weight", (h,)
+    yield "lm_head.weight", (v, h)
+    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    conv_dim = 2 * hk * dk + hv * dv  # conv runs over q, k and v
+    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    moe = "num_experts" in c
+    for i, kind in enumerate(c["layer_types"]):
+        p = f"model.layers.{i}"
+        yield f"{p}.input_layernorm.weight", (h,)
+        yield f"{p}.post_attention_layernorm.weight", (h,)
+        if kind == "linear_attention":
+            a = f"{p}.linear_attn"
+            # Unfused, non-interleaved projections (Qwen3.5 checkpoint layout).
+            yield f"{a}.in_proj_qkv.weight", (conv_dim, h)
+            yield f"{a}.in_proj_z.weight", (hv * dv, h)
+            yield f"{a}.in_proj_b.weight", (hv, h)
+            yield f"{a}.in_proj_a.weight", (hv, h)
+            yield f"{a}.conv1d.weight", (conv_dim, 1, c["linear_conv_kernel_dim"])
+            yield f"{a}.dt_bias", (hv,)
+            yield f"{a}.A_log", (hv,)
+            yield f"{a}.norm.weight", (dv,)
+            yield f"{a}.out_proj.weight", (h, hv * dv)
+        else:
+            a = f"{p}.self_attn"
+            yield f"{a}.q_proj.weight", (2 * heads * hd, h)  # query + output gate
+            yield f"{a}.k_proj.weight", (kv_heads * hd, h)
+            yield f"{a}.v_proj.weight", (kv_heads * hd, h)
+            yield f"{a}.o_proj.weight", (h, heads * hd)
+            yield f"{a}.q_norm.weight", (hd,)
+            yield f"{a}.k_norm.weight", (hd,)
+        m = f"{p}.mlp"
+        if not moe:
+            inter = c["intermediate_size"]
+            yield f"{m}.gate_proj.weight", (inter, h)
+            yield f"{m}.up_proj.weight", (inter, h)
+            yield f"{m}.down_proj.weight", (h, inter)
+            continue
+        inter, shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
+        yield f"{m}.gate.weight", (c["num_experts"], h)
+        for e in range(c["num_experts"]):
+            yield f"{m}.experts.{e}.gate_proj.weight", (inter, h)
+            yield f"{m}.experts.{e}.up_proj.weight", (inter, h)
+            yield f"{m}.experts.{e}.down_proj.weight", (h, inter)
+        yield f"{m}.shared_expert.gate_proj.weight", (shared, h)
+        yield f"{m}.shared_expert.up_proj.weight", (shared, h)
+        yield f"{m}.shared_expert.down_proj.weight", (h, shared)
+        yield f"{m}.shared_expert_gate.weight", (1, h)
+
+
+CHECKPOINTS = {
+    "qwen3_5": (QWEN3_5_CONFIG, _qwen3_5_tensors),
+    "qwen3_5_moe": (QWEN3_5_MOE_CONFIG, _qwen3_5_tensors),
+}
+
+
+_TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
+_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+
+
+class _PilImageProcessorAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves the torchvision Qwen2-VL image-processor module to its PIL twin."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != _TV_MODULE:
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec):
+        return importlib.import_module(_PIL_MODULE)
+
+    def exec_module(self, module):
+        pass  # already executed by import_module
+
+
+def allow_import_without_torchvision() -> bool:
+    """Let vLLM's Qwen3.5 module import where torchvision is missing; True if installed.
+
+    Does nothing when torchvision is importable (the real module is then
+    used) or when the alias is already in place. Only the import is
+    redirected: text-only Qwen3.5 never runs the image processor.
+    """
+    if importlib.util.find_spec("torchvision") is not None:
+        return False
+    if any(isinstance(f, _PilImageProcessorAlias) for f in sys.meta_path):
+        return True
+    sys.meta_path.insert(0, _PilImageProcessorAlias())
+    return True
