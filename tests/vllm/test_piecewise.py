@@ -29,6 +29,7 @@ from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmC
 from vllm.forward_context import get_forward_context, set_forward_context
 
 OP = "vllm::gdn_pass_test_core"
+TEST_OP_ROW = "any GDN core op (test op)"
 LAYER = "model.layers.0.linear_attn"
 SLOT = 3
 
@@ -106,6 +107,10 @@ def test_splitting_op_is_guarded_in_the_stitching_graph(known_test_op):
     torch.testing.assert_close(out, torch.full((4,), 3.0))  # 2*1 + zero state + 1
     guarded = [r for rep in gdn_pass.reports() for r in rep.reads if r.action == "guarded_op"]
     assert [(r.op, r.layer) for r in guarded] == [(OP, LAYER)]
+    from gdn_pass.examples.coverage import record
+
+    record(TEST_OP_ROW, "VLLM_COMPILE piecewise", status="note", cell="guarded (stitching graph)",
+           detail="the stale slot leaks without the pass; vLLM's backend driven on CPU with a test core op")
 
 
 def test_without_the_pass_the_stale_slot_leaks(known_test_op):
@@ -147,5 +152,5 @@ def test_full_graph_modes_guard_inside_the_one_graph(known_test_op, inductor_on_
     torch.testing.assert_close(out, torch.full((4,), 3.0))
     assert [(r.op, r.layer, r.node.startswith("auto_functionalized")) for r in guarded] == [
         (OP, LAYER, True)]
-    record("vllm_compile_test_op", mode, status="graph", detail=(
-        "stale slot leaks without the pass; guarded inside the single Inductor graph with it"))
+    record(TEST_OP_ROW, f"VLLM_COMPILE {mode}", status="note", cell="guarded (in the graph)",
+           detail="the stale slot leaks without the pass; vLLM's backend + Inductor on CPU, test core op")
