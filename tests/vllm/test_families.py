@@ -26,7 +26,7 @@ def _engine_error(log_tail: str, limit: str) -> str | None:
     lines = [re.sub(r"^\[rank\d+\]:\s*", "", ln).strip() for ln in log_tail.splitlines()]
     for i in range(len(lines) - 1, -1, -1):
         if re.match(r"^\w+(\.\w+)*(Error|Exception)\b", lines[i]):
-            error = " / ".join(lines[i : i + 3])
+            error = re.sub(r"\s*\[type=.*", "", " / ".join(lines[i : i + 2]))
             if limit in error:
                 return error
     return None
@@ -44,7 +44,7 @@ def test_family_bug_reproduced_and_fixed(kind, engine_dir, request):
     except RuntimeError as exc:
         error = _engine_error(str(exc), limit) if limit else None
         if error is not None:
-            record(kind, "cpu_compiled", status="cpu_unsupported", error=error)
+            record(kind, "CPU compiled, vLLM defaults", status="cpu_unsupported", error=error)
             pytest.skip(f"vLLM CPU cannot run {kind}: {error}")
         raise
     assert limit is None, f"{kind} is listed in CPU_LIMITS ({limit!r}) but ran: update the table"
@@ -54,7 +54,7 @@ def test_family_bug_reproduced_and_fixed(kind, engine_dir, request):
     guarded = sorted({r["op"] for rep in reports for r in rep["reads"] if r["action"] == "guarded_op"})
     record(
         kind,
-        "cpu_compiled",
+        "CPU compiled, vLLM defaults",
         status="e2e",
         reproduced=not s["r3_pass_off_vs_isolated"]["matches"],
         fixed=s["r3_pass_on_vs_isolated"]["matches"],

@@ -120,7 +120,7 @@ def test_guarded_op_zeroes_fresh_slot_before_kda(layer):
         assert cache[FRESH_SLOT].eq(0).all(), "fresh row would read the previous owner's state"
         others = [s for s in range(NUM_SLOTS) if s != FRESH_SLOT]
         assert same(cache[others], old[others]), "history / padding / unused slots changed"
-    record("bailing_moe_v3", "op_guard", status="op_guard",
+    record("bailing_moe_v3", "core op, poisoned slots", status="op_guard",
            detail="vllm::bailing_v3_kda_attention: fresh slot zeroed (conv+recurrent), "
                   "history slots bit-identical")
 

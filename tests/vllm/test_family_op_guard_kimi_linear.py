@@ -87,7 +87,7 @@ def test_state_guard_zeroes_kimi_cache_layout(monkeypatch):
         assert cache[5].eq(0).all()
         assert torch.equal(cache[others].isnan(), old[others].isnan())
         assert torch.equal(cache[others].nan_to_num(), old[others].nan_to_num())
-    record("kimi_linear", "op_guard", status="not_guardable",
+    record("kimi_linear", "core op, poisoned slots", status="not_guardable",
            detail="vLLM 0.30 runs Kimi-Linear without a compiled graph and its KDA read is "
                   "behind no op: nothing for the pass to rewrite (guard body verified on its "
                   "cache layout)")

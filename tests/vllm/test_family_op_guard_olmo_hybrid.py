@@ -192,7 +192,7 @@ def test_guarded_op_zeroes_fresh_slot_and_matches_clean_state():
     for cache, ref in zip(layer.kv_cache, ref_caches):
         for slot in (DECODE_SLOT, FRESH_SLOT):  # both rows wrote back the clean run's state
             assert same(cache[slot], ref[slot])
-    record("olmo_hybrid", "op_guard", status="op_guard",
+    record("olmo_hybrid", "core op, poisoned slots", status="op_guard",
            detail="vllm::olmo_hybrid_gdn_full_forward: fresh slot zeroed (conv+recurrent) "
                   "before the op, history bit-identical, output = clean-state reference")
 

@@ -1,0 +1,22 @@
+"""The README's coverage table is the rendering of the recorded test results."""
+
+import json
+from pathlib import Path
+
+from gdn_pass.examples.coverage import BEGIN, END, render
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_readme_table_is_rendered_from_recorded_results():
+    recorded = json.loads((ROOT / "benchmarks/results/coverage.json").read_text())
+    readme = (ROOT / "README.md").read_text()
+    table = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert table == render(recorded).strip(), (
+        "README coverage table is stale: python -m gdn_pass.examples.coverage "
+        "benchmarks/results/coverage.json --readme README.md")
+
+
+def test_render_marks_a_family_that_was_not_fixed():
+    table = render({"fam": {"mode": {"status": "e2e", "reproduced": True, "fixed": False}}})
+    assert "NOT FIXED" in table
