@@ -22,7 +22,8 @@ import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.state_guard import CACHES_ATTR, ROWS_ATTR
+from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["install", "is_installed", "stage_rows"]
 
@@ -30,6 +31,7 @@ from gdn_pass._logging import logger
 
 _MARK = "__gdn_pass_wrapped__"
 _BUILDER_ROWS = "_gdn_pass_rows"
+_BUILDER_TABLE = "_gdn_pass_cache_table"
 _warned: set[str] = set()
 
 
@@ -59,11 +61,31 @@ def install() -> bool:
             _check_compilation(self.vllm_config)
         stage_rows(rows, common_attn_metadata, metadata)
         setattr(metadata, ROWS_ATTR, rows)
+        setattr(metadata, CACHES_ATTR, _group_cache_table(self))
         return metadata
 
     setattr(build, _MARK, True)
     builder.build = build
     return True
+
+
+def _group_cache_table(builder) -> CacheTable | None:
+    """The state caches of every layer this builder serves, as one table (CUDA).
+
+    Built here, outside CUDA-graph capture, and kept while the caches stay
+    where they are (vLLM allocates them once; profiling runs have none yet).
+    """
+    if torch.device(builder.device).type != "cuda":
+        return None
+    context = builder.vllm_config.compilation_config.static_forward_context
+    caches = []
+    for name in builder.layer_names:
+        kv_cache = getattr(context.get(name), "kv_cache", None) or ()
+        caches.extend(t for t in kv_cache if isinstance(t, torch.Tensor) and t.numel())
+    table = builder.__dict__.get(_BUILDER_TABLE)
+    if table is None or table.key != CacheTable.key_of(caches):
+        table = builder.__dict__[_BUILDER_TABLE] = CacheTable.build(caches) if caches else None
+    return table
 
 
 def _new_rows(builder) -> StagedRowMetadata:

@@ -6,8 +6,10 @@ forward context, exactly as the original op finds its caches.
 
     fresh = rows.valid & ~rows.has_initial_state
     for cache in layer.kv_cache:          # conv state, recurrent state, ...
-        cache[rows.state_slot[fresh]] = 0     # on CUDA: one sync-free Triton launch,
-                                              # capturable in a full CUDA graph
+        cache[rows.state_slot[fresh]] = 0     # on CUDA: sync-free Triton, capturable
+
+On CUDA the first guarded layer of a step zeroes the fresh slots of every GDN
+layer that shares its metadata, in one launch; the others skip.
 """
 
 from __future__ import annotations
@@ -15,13 +17,17 @@ from __future__ import annotations
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.zero_rows import zero_rows
+from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all
 
-__all__ = ["ROWS_ATTR", "GuardError", "zero_fresh_state"]
+__all__ = ["ROWS_ATTR", "CACHES_ATTR", "GuardError", "zero_fresh_state"]
 
 # Attribute under which the metadata hook attaches the staged rows to the
 # layer's GDNAttentionMetadata for the step.
 ROWS_ATTR = "gdn_pass_rows"
+# Attribute holding the CacheTable of every GDN layer that shares the metadata
+# (CUDA only), so that the first guarded op of a step zeroes them all at once.
+CACHES_ATTR = "gdn_pass_caches"
+_DONE_ATTR = "_gdn_pass_zeroed"
 
 
 class GuardError(RuntimeError):
@@ -53,5 +59,13 @@ def zero_fresh_state(layer_name: str) -> None:
             "gdn_pass.vllm.install() before the engine starts."
         )
     fresh = rows.fresh_rows()
+    table: CacheTable | None = getattr(metadata, CACHES_ATTR, None)
+    if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
+        # One launch zeroes every GDN layer of this metadata's group; the
+        # group's other layers find it done (the metadata object is per step).
+        if not getattr(metadata, _DONE_ATTR, False):
+            zero_rows_all(table, rows.state_slot, fresh)
+            setattr(metadata, _DONE_ATTR, True)
+        return
     for cache in layer.kv_cache:
         zero_rows(cache, rows.state_slot, fresh)

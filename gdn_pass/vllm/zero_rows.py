@@ -13,13 +13,18 @@ serves every step while the staged buffers are refreshed in place.
 
 On CPU (or for a layout the kernel does not cover, outside capture) the
 fresh slots are selected on the host and zeroed with ``index_fill_``.
+
+``CacheTable`` + ``zero_rows_all`` do the same for many caches (every GDN
+layer's conv and recurrent state) in one launch: a device table holds each
+cache's address, slot stride and slot size, so one grid of (row, cache,
+slice) programs covers them all.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["zero_rows"]
+__all__ = ["zero_rows", "zero_rows_all", "CacheTable"]
 
 _BLOCK = 1024
 # Programs per row: a row that is not fresh costs these many programs that
@@ -86,3 +91,81 @@ def _build_kernel():
                 tl.store(cache_ptr + slot * slot_stride + offs, zeros, mask=offs < end)
 
     return zero_fresh_rows
+
+
+class CacheTable:
+    """Addresses of several caches, for ``zero_rows_all`` (build outside CUDA-graph capture).
+
+    ``table [num_caches, 3]`` int64 on the caches' device: each cache's
+    address (bytes), slot stride and slot size (4-byte words). ``None`` from
+    ``build`` when a cache is not on CUDA, has sparse slots, or is not
+    4-byte aligned: callers then zero cache by cache.
+    """
+
+    def __init__(self, caches: list[torch.Tensor], table: torch.Tensor, max_slot_words: int):
+        self.caches = caches
+        self.table = table
+        self.max_slot_words = max_slot_words
+        self.key = self.key_of(caches)
+        self.addresses = frozenset(c.data_ptr() for c in caches)
+
+    @staticmethod
+    def key_of(caches: list[torch.Tensor]) -> tuple:
+        return tuple((c.data_ptr(), c.stride(), c.shape, c.dtype) for c in caches)
+
+    @classmethod
+    def build(cls, caches: list[torch.Tensor]) -> "CacheTable | None":
+        if not caches or not all(c.is_cuda and c.shape[0] > 0 and _dense_slots(c) for c in caches):
+            return None
+        entries = []
+        for c in caches:
+            size = c.element_size()
+            slot_bytes, stride_bytes = c[0].numel() * size, c.stride(0) * size
+            if c.data_ptr() % 4 or slot_bytes % 4 or stride_bytes % 4:
+                return None
+            entries.append((c.data_ptr(), stride_bytes // 4, slot_bytes // 4))
+        table = torch.tensor(entries, dtype=torch.int64, device=caches[0].device)
+        return cls(list(caches), table, max(e[2] for e in entries))
+
+
+def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) -> None:
+    """``zero_rows`` on every cache of ``table``, in one launch."""
+    global _multi_kernel
+    if _multi_kernel is None:
+        _multi_kernel = _build_multi_kernel()
+    rows, num_caches = slot.numel(), table.table.shape[0]
+    # Programs of rows that are not fresh exit at once but still cost a launch
+    # slot: split slots only while the grid stays near two programs per SM.
+    slices = max(1, min(_SLICES, _TARGET_PROGRAMS // max(rows * num_caches, 1),
+                        (table.max_slot_words + _BLOCK - 1) // _BLOCK))
+    _multi_kernel[(rows, table.table.shape[0], slices)](
+        table.table, slot, fresh, slices, BLOCK=_BLOCK)
+
+
+_multi_kernel = None
+_TARGET_PROGRAMS = 264
+
+
+def _build_multi_kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, slices, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cache = tl.program_id(1)
+        part = tl.program_id(2)
+        if tl.load(fresh_ptr + row).to(tl.int1):
+            slot = tl.load(slot_ptr + row).to(tl.int64)
+            base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
+            stride = tl.load(table_ptr + cache * 3 + 1)
+            numel = tl.load(table_ptr + cache * 3 + 2)
+            per_slice = (numel + slices - 1) // slices
+            start = part * per_slice
+            end = tl.minimum(start + per_slice, numel)
+            zeros = tl.zeros([BLOCK], dtype=tl.int32)
+            for offset in range(start, end, BLOCK):
+                offs = offset + tl.arange(0, BLOCK)
+                tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+
+    return zero_fresh_rows_all

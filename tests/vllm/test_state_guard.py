@@ -58,3 +58,30 @@ def test_profiling_run_without_metadata_is_a_no_op(monkeypatch):
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     zero_fresh_state(layer.prefix)
     assert layer.kv_cache[1].eq(6.0).all()
+
+
+def test_first_guarded_layer_of_a_step_zeroes_the_whole_group_once(monkeypatch):
+    """With a cache table (CUDA), one launch per step covers every layer that
+    shares the metadata; the table kernel itself is tested in tests/gpu."""
+    from gdn_pass.vllm import state_guard
+
+    layers = [poisoned_layer() for _ in range(3)]
+    for i, layer in enumerate(layers):
+        layer.prefix = f"model.layers.{i}.linear_attn"
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
+    rows.stage(num_computed_tokens=torch.tensor([0]), query_lens=torch.tensor([1]),
+               state_slots=torch.tensor([5]))
+    table = SimpleNamespace(addresses=frozenset(t.data_ptr() for layer in layers[:2] for t in layer.kv_cache))
+    calls = []
+    monkeypatch.setattr(state_guard, "zero_rows_all", lambda *args: calls.append(args))
+    metadata = SimpleNamespace(**{ROWS_ATTR: rows, state_guard.CACHES_ATTR: table})
+    context = SimpleNamespace(no_compile_layers={layer.prefix: layer for layer in layers},
+                              attn_metadata={layer.prefix: metadata for layer in layers})
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    zero_fresh_state(layers[0].prefix)
+    zero_fresh_state(layers[1].prefix)
+    assert len(calls) == 1 and calls[0][0] is table
+    # A layer whose caches are not in the table is zeroed on its own.
+    zero_fresh_state(layers[2].prefix)
+    assert len(calls) == 1
+    assert layers[2].kv_cache[1][5].eq(0).all() and layers[0].kv_cache[1][5].eq(6.0).all()

@@ -1,0 +1,74 @@
+"""One launch for every GDN layer's caches: captured once, replayed with
+different fresh rows. Caches hold random "previous owners' state" in vLLM's
+layouts (a permuted dense conv slot, a recurrent slot inside a larger page);
+only the fresh rows' slots of every cache may change.
+"""
+
+import random
+
+import pytest
+import torch
+
+from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm.zero_rows import CacheTable, zero_rows_all
+
+NUM_SLOTS, MAX_ROWS, LAYERS = 48, 16, 3
+
+
+def layer_caches():
+    conv = torch.randn(NUM_SLOTS, 3, 512, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    pool = torch.randn(NUM_SLOTS, 4 * 32 * 32 + 100, device="cuda")
+    ssm = pool[:, : 4 * 32 * 32].view(NUM_SLOTS, 4, 32, 32)
+    return conv, ssm, pool
+
+
+@pytest.mark.parametrize("max_rows", [1, MAX_ROWS, 256])
+def test_one_captured_launch_zeroes_fresh_slots_of_every_layer(max_rows):
+    layers = [layer_caches() for _ in range(LAYERS)]
+    caches = [t for conv, ssm, _ in layers for t in (conv, ssm)]
+    table = CacheTable.build(caches)
+    assert table is not None and table.table.shape == (2 * LAYERS, 3)
+    rows = StagedRowMetadata(max_rows, device="cuda", pad_slot_ids=(-1, 0))
+    rows.stage(num_computed_tokens=torch.zeros(1, dtype=torch.int64),
+               query_lens=torch.zeros(1, dtype=torch.int64), state_slots=torch.full((1,), -1))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        zero_rows_all(table, rows.state_slot, rows.fresh_rows())  # compile outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+
+    rng = random.Random(max_rows)
+    for step in range(20):
+        n = rng.randint(1, min(max_rows, NUM_SLOTS - 1))
+        slots = rng.sample(range(1, NUM_SLOTS), n)
+        computed = [0 if rng.random() < 0.5 else rng.randint(1, 9) for _ in range(n)]
+        qlens = [1 if rng.random() < 0.8 else 0 for _ in range(n)]
+        for i in range(n):
+            if rng.random() < 0.1:
+                slots[i] = rng.choice([-1, 0])
+        for conv, _, pool in layers:
+            conv.copy_(torch.randn_like(conv.float()).to(conv.dtype))
+            pool.copy_(torch.randn_like(pool))
+        before = [(conv.clone(), pool.clone()) for conv, _, pool in layers]
+        rows.stage(num_computed_tokens=torch.tensor(computed), query_lens=torch.tensor(qlens),
+                   state_slots=torch.tensor(slots))
+        graph.replay()
+        torch.cuda.synchronize()
+        fresh = {s for s, c, q in zip(slots, computed, qlens) if c == 0 and q > 0 and s > 0}
+        for (conv, ssm, pool), (conv0, pool0) in zip(layers, before):
+            for s in range(NUM_SLOTS):
+                if s in fresh:
+                    assert conv[s].eq(0).all() and ssm[s].eq(0).all(), (step, s)
+                    assert torch.equal(pool[s, 4 * 32 * 32:], pool0[s, 4 * 32 * 32:]), "wrote past the slot"
+                else:
+                    assert torch.equal(conv[s], conv0[s]) and torch.equal(pool[s], pool0[s]), (step, s)
+
+
+def test_layouts_the_kernel_does_not_cover_get_no_table():
+    sparse = torch.randn(8, 4, 6, device="cuda")[:, :, :5]  # slot elements not dense
+    assert CacheTable.build([sparse]) is None
+    assert CacheTable.build([torch.randn(8, 3, device="cuda", dtype=torch.bfloat16)]) is None  # 6-byte slot
+    assert CacheTable.build([]) is None
