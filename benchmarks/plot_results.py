@@ -2,8 +2,8 @@
 
 Left: vLLM step latency on CPU relative to the unguarded 0.30 engine, for the
 pass and for vLLM 0.31's upstream fix (vllm_step_latency.json). Right: the
-op-level guard's time as a share of a flash-linear-attention decode step per
-GDN layer on the H200 (op_guard_overhead.json).
+op-level guard's time as a share of a 36-layer flash-linear-attention decode
+step on the H200, per layer and in one launch per step (step_guard_overhead.json).
 
     pip install matplotlib; python benchmarks/plot_results.py [--results benchmarks/results]
 """
@@ -26,7 +26,7 @@ def main() -> None:
 
     results = Path(args.results)
     latency = json.loads((results / "vllm_step_latency.json").read_text())
-    guard = json.loads((results / "op_guard_overhead.json").read_text())["results"]
+    guard = json.loads((results / "step_guard_overhead.json").read_text())["results"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
 
     labels, pass_ratio, fix_ratio = [], [], []
@@ -46,17 +46,19 @@ def main() -> None:
     left.set_title("vLLM step latency, CPU (4 decodes + k fresh rows)")
     left.legend(fontsize=8)
 
-    for fresh_label, pick in (("no fresh row", lambda r: r["fresh_rows"] == 0),
-                              ("1 fresh row", lambda r: r["fresh_rows"] == 1)):
-        rows = sorted((r for r in guard if pick(r)), key=lambda r: r["batch"])
-        right.plot([r["batch"] for r in rows], [100 * r["guard_over_step"] for r in rows], "o-",
-                   label=fresh_label)
+    for label, key, fresh in (("per layer, no fresh row", "per_layer_over_step", 0),
+                              ("one launch, no fresh row", "one_launch_over_step", 0),
+                              ("per layer, 1 fresh row", "per_layer_over_step", 1),
+                              ("one launch, 1 fresh row", "one_launch_over_step", 1)):
+        rows = sorted((r for r in guard if r["fresh_rows"] == fresh), key=lambda r: r["batch"])
+        right.plot([r["batch"] for r in rows], [100 * r[key] for r in rows],
+                   "o-" if "one" in label else "s--", label=label)
     right.axhline(2.0, color="red", ls="--", lw=0.8, label="2% target")
     right.set_xscale("log", base=2)
     right.set_yscale("log")
     right.set_xlabel("batch (decode rows)")
-    right.set_ylabel("guard / FLA decode step per layer (%)")
-    right.set_title("op-level guard on H200 (one launch per state tensor)")
+    right.set_ylabel("guard / 36-layer FLA decode step (%)")
+    right.set_title("op-level guard on H200")
     right.legend(fontsize=8)
     fig.tight_layout()
     out = results / "cost_of_the_fix.png"
