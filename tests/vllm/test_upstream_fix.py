@@ -49,3 +49,23 @@ def test_pass_changes_nothing_on_upstream_fix(engine_dir, qwen3_next_checkpoint,
     assert compare(demo["results"]["pass_on"]["requests"]["R3"], off["requests"]["R3"])["same_tokens"]
     reports = gdn_pass.load_reports(on["report_dir"])
     assert sum(len([r for r in rep["reads"] if r["action"] == "guarded_op"]) for rep in reports) == 3
+
+
+QWEN3_5_031_ERROR = "causal_conv1d_fwd_cpu: expect x to be transposed"
+
+
+@pytest.mark.parametrize("guard", ["off", "on"])
+def test_qwen3_5_lone_one_token_prefill_fails_on_031_with_or_without_the_pass(engine_dir, python_031, guard):
+    """vLLM 0.31's bug, not ours: its fix runs a lone one-token fresh request
+    through the chunked-prefill path, where Qwen3.5's ``mixed_qkv`` (a split
+    view of the fused projection, row stride qkv+z) stays a strided view after
+    ``.contiguous()`` (a one-row tensor counts as contiguous), and the CPU conv
+    kernel rejects its transpose. 0.30 never reaches that path (the bug itself
+    sends the row to decode); Qwen3-Next is unaffected (its ``mixed_qkv`` is a
+    ``cat``). Pinned so a vLLM that fixes it shows up here."""
+    from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+
+    model = write_checkpoint("qwen3_5", engine_dir / "tiny_qwen3_5_031", seed=0)
+    with pytest.raises(RuntimeError) as failed:
+        run_scenario("isolated", guard, model, engine_dir / f"vllm031_qwen3_5_{guard}", python=python_031)
+    assert QWEN3_5_031_ERROR in str(failed.value)
