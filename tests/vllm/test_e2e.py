@@ -76,3 +76,27 @@ def test_fixed_with_engine_core_in_its_own_process(engine_dir, qwen3_next_checkp
     assert sum(r["action"] == "guarded_op" for rep in reports for r in rep["reads"]) == GDN_LAYERS
     record("qwen3_next", "engine core in own process", status="e2e", reproduced=not demo["summary"][
         "r3_pass_off_vs_isolated"]["matches"], fixed=True, r2_unchanged=True)
+
+
+def test_fixed_with_tensor_parallel_2(engine_dir, qwen3_next_checkpoint, monkeypatch):
+    """TP=2 on vLLM's CPU backend: two worker processes, each compiling (and
+    guarding) its shard. vLLM binds one NUMA node per worker by default; this
+    machine has one, so each worker is bound to one core by hand."""
+    import os
+
+    from gdn_pass.examples.demo import run_demo
+
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip("tensor parallel 2 needs at least 2 CPU cores")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    demo = run_demo(engine_dir / "tp2", model=qwen3_next_checkpoint, python=sys.executable,
+                    progress=lambda msg: None, extra_args=("--engine-arg", "tensor_parallel_size=2"))
+    s = demo["summary"]
+    reports = gdn_pass.load_reports(demo["results"]["pass_on"]["report_dir"])
+    record("qwen3_next", "tensor parallel 2", status="e2e", reproduced=not s["r3_pass_off_vs_isolated"]["matches"],
+           fixed=s["r3_pass_on_vs_isolated"]["matches"], r2_unchanged=s["r2_pass_on_vs_pass_off"]["same_tokens"])
+    assert len(reports) == 2, "each TP worker compiles its own graph"
+    assert all(sum(r["action"] == "guarded_op" for r in rep["reads"]) == GDN_LAYERS for rep in reports)
+    assert not s["r3_pass_off_vs_isolated"]["matches"]
+    assert s["r3_pass_on_vs_isolated"]["matches"], s["r3_pass_on_vs_isolated"]
+    assert s["r2_pass_on_vs_pass_off"]["same_tokens"]
