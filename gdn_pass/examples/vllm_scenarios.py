@@ -61,7 +61,8 @@ def load_model_classes_in_process(model: str) -> None:
 
 
 def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None,
-             max_num_batched_tokens: int | None = None, **engine_overrides):
+             max_num_batched_tokens: int | None = None,
+             pass_hook: str = "post_grad_custom_post_pass", **engine_overrides):
     from vllm import LLM
 
     load_model_classes_in_process(model)
@@ -69,9 +70,7 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     if guard:
         from gdn_pass.vllm import GDNStatePass
 
-        compilation_config["inductor_compile_config"] = {
-            "post_grad_custom_post_pass": GDNStatePass(report_dir=report_dir)
-        }
+        compilation_config["inductor_compile_config"] = {pass_hook: GDNStatePass(report_dir=report_dir)}
     engine_args = dict(
         model=model,
         skip_tokenizer_init=True,
@@ -201,6 +200,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--multiprocessing", action="store_true",
                     help="engine core in a separate process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
+    ap.add_argument("--pass-hook", default="post_grad_custom_post_pass",
+                    choices=["post_grad_custom_post_pass", "joint_custom_post_pass"],
+                    help="inductor config key the pass is given under")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                     help="extra vLLM engine argument, e.g. enable_prefix_caching=true or "
                          'speculative_config=\'{"method": "mtp", "num_speculative_tokens": 1}\'')
@@ -219,6 +221,7 @@ def main() -> None:
     with debug:
         llm = make_llm(args.model, guard=args.guard == "on", compile=not args.eager,
                        report_dir=args.report_dir, max_num_batched_tokens=args.max_num_batched_tokens,
+                       pass_hook=args.pass_hook,
                        **parse_engine_args(args.engine_arg))
         started = time.time()
         r3_prompt = R3_PROMPT if args.r3_prompt_len == len(R3_PROMPT) else [

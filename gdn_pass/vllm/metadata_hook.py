@@ -137,7 +137,7 @@ def _num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:
 
 def _check_compilation(vllm_config) -> None:
     """Say once per process when the guard cannot run."""
-    from gdn_pass.vllm.gdn_state_pass import GDNStatePass
+    from gdn_pass.vllm.gdn_state_pass import configured_pass
 
     cc = vllm_config.compilation_config
     mode = int(getattr(cc, "mode", 0) or 0)
@@ -150,12 +150,12 @@ def _check_compilation(vllm_config) -> None:
             "(vllm#51562). Enable compilation to get the fix.",
         )
         return
-    configured = cc.inductor_compile_config.get("post_grad_custom_post_pass")
-    if not isinstance(configured, GDNStatePass):
+    if configured_pass(cc) is None:
         _warn_once(
             "unconfigured",
             "plugin installed but GDNStatePass is not in "
-            "compilation_config['inductor_compile_config']['post_grad_custom_post_pass']; "
+            "compilation_config['inductor_compile_config']['post_grad_custom_post_pass'] "
+            "(or 'joint_custom_post_pass'); "
             "GDN state reads are not guarded.",
         )
 

@@ -77,9 +77,8 @@ def install() -> bool:
 
 
 def _configured_pass(vllm_config):
-    from gdn_pass.vllm.gdn_state_pass import GDNStatePass
+    from gdn_pass.vllm.gdn_state_pass import configured_pass
 
     if vllm_config is None:
         return None
-    configured = vllm_config.compilation_config.inductor_compile_config.get("post_grad_custom_post_pass")
-    return configured if isinstance(configured, GDNStatePass) else None
+    return configured_pass(vllm_config.compilation_config)

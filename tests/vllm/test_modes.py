@@ -79,3 +79,13 @@ def test_mtp_speculative_decoding(engine_dir):
             pytest.skip(f"vLLM CPU cannot run speculative decoding: {errors[-1].strip()}")
         raise
     pytest.fail("vLLM CPU ran MTP speculative decoding: turn this into an e2e check")
+
+
+def test_pass_as_joint_graph_pass(engine_dir, qwen3_next_checkpoint, demo):
+    """The faster-compiling hook (see GDNStatePass): same fix end to end."""
+    result = run_scenario("poisoned", "on", qwen3_next_checkpoint, engine_dir / "joint_hook",
+                          python=sys.executable, extra_args=("--pass-hook", "joint_custom_post_pass"))
+    on = compare(demo["results"]["isolated"]["requests"]["R3"], result["requests"]["R3"])
+    assert on["same_tokens"] and on["max_logprob_diff"] <= LOGPROB_TOL, on
+    assert _guarded_ops(result) == 3
+    assert "is not in compilation_config" not in open(result["log"]).read()
