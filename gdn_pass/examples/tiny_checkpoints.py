@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from gdn_pass.examples.families import qwen_layers
+
 __all__ = ["QWEN3_NEXT_CONFIG", "QWEN3_NEXT_1K_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS"]
 
 QWEN3_NEXT_CONFIG = {
@@ -106,40 +108,14 @@ def _qwen3_next_mtp_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 def _qwen3_next_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h = c["hidden_size"]
-    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    conv_dim = 2 * hk * dk + hv * dv
-    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    moe, shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
     yield f"{p}.input_layernorm.weight", (h,)
     yield f"{p}.post_attention_layernorm.weight", (h,)
     if kind == "linear_attention":
-        a = f"{p}.linear_attn"
-        yield f"{a}.in_proj_qkvz.weight", (2 * hk * dk + 2 * hv * dv, h)
-        yield f"{a}.in_proj_ba.weight", (2 * hv, h)
-        yield f"{a}.conv1d.weight", (conv_dim, 1, c["linear_conv_kernel_dim"])
-        yield f"{a}.dt_bias", (hv,)
-        yield f"{a}.A_log", (hv,)
-        yield f"{a}.norm.weight", (dv,)
-        yield f"{a}.out_proj.weight", (h, hv * dv)
+        yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=True)
     else:
-        a = f"{p}.self_attn"
-        yield f"{a}.q_proj.weight", (2 * heads * hd, h)  # query + output gate
-        yield f"{a}.k_proj.weight", (kv_heads * hd, h)
-        yield f"{a}.v_proj.weight", (kv_heads * hd, h)
-        yield f"{a}.o_proj.weight", (h, heads * hd)
-        yield f"{a}.q_norm.weight", (hd,)
-        yield f"{a}.k_norm.weight", (hd,)
-    m = f"{p}.mlp"
-    yield f"{m}.gate.weight", (c["num_experts"], h)
-    for e in range(c["num_experts"]):
-        yield f"{m}.experts.{e}.gate_proj.weight", (moe, h)
-        yield f"{m}.experts.{e}.up_proj.weight", (moe, h)
-        yield f"{m}.experts.{e}.down_proj.weight", (h, moe)
-    yield f"{m}.shared_expert.gate_proj.weight", (shared, h)
-    yield f"{m}.shared_expert.up_proj.weight", (shared, h)
-    yield f"{m}.shared_expert.down_proj.weight", (h, shared)
-    yield f"{m}.shared_expert_gate.weight", (1, h)
+        yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
+    yield from qwen_layers.routed_experts(f"{p}.mlp", c)
+    yield from qwen_layers.shared_expert(f"{p}.mlp", c)
 
 
 def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -193,13 +169,7 @@ def _merge_families() -> None:
     from gdn_pass.examples.families import FAMILY_MODULES
 
     for name in FAMILY_MODULES:
-        try:
-            module = importlib.import_module(f"gdn_pass.examples.families.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"gdn_pass.examples.families.{name}":
-                raise
-            continue  # family not written yet
-        CHECKPOINTS.update(module.CHECKPOINTS)
+        CHECKPOINTS.update(importlib.import_module(f"gdn_pass.examples.families.{name}").CHECKPOINTS)
 
 
 _merge_families()

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gdn_pass.examples.families import qwen_layers
+
 __all__ = ["INTERNS2_MOBIUS_CONFIG", "CHECKPOINTS"]
 
 _TEXT_CONFIG = {
@@ -126,48 +128,19 @@ def _interns2_mobius_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...
     yield f"{lm}.embed_tokens.weight", (v, h)
     yield f"{lm}.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
-    moe = c["moe_intermediate_size"]
     for b in range(c["num_blocks"]):  # the shared routed-expert banks
-        bank = f"{lm}.meta_mlp.{b}"
-        yield f"{bank}.gate.weight", (c["num_experts"], h)
-        for e in range(c["num_experts"]):
-            yield f"{bank}.experts.{e}.gate_proj.weight", (moe, h)
-            yield f"{bank}.experts.{e}.up_proj.weight", (moe, h)
-            yield f"{bank}.experts.{e}.down_proj.weight", (h, moe)
-    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    conv_dim = 2 * hk * dk + hv * dv
-    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    shared = c["shared_expert_intermediate_size"]
+        yield from qwen_layers.routed_experts(f"{lm}.meta_mlp.{b}", c)
     for i, kind in enumerate(c["layer_types"]):
         p = f"{lm}.layers.{i}"
         yield f"{p}.input_layernorm.weight", (h,)
         yield f"{p}.post_attention_layernorm.weight", (h,)
         if kind == "linear_attention":
-            a = f"{p}.linear_attn"
             # Qwen3.5 layout: q, k, v and the output gate z as separate blocks
-            yield f"{a}.in_proj_qkv.weight", (conv_dim, h)
-            yield f"{a}.in_proj_z.weight", (hv * dv, h)
-            yield f"{a}.in_proj_b.weight", (hv, h)
-            yield f"{a}.in_proj_a.weight", (hv, h)
-            yield f"{a}.conv1d.weight", (conv_dim, 1, c["linear_conv_kernel_dim"])
-            yield f"{a}.dt_bias", (hv,)
-            yield f"{a}.A_log", (hv,)
-            yield f"{a}.norm.weight", (dv,)
-            yield f"{a}.out_proj.weight", (h, hv * dv)
+            yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=False)
         else:
-            a = f"{p}.self_attn"
-            yield f"{a}.q_proj.weight", (2 * heads * hd, h)  # query + output gate
-            yield f"{a}.k_proj.weight", (kv_heads * hd, h)
-            yield f"{a}.v_proj.weight", (kv_heads * hd, h)
-            yield f"{a}.o_proj.weight", (h, heads * hd)
-            yield f"{a}.q_norm.weight", (hd,)
-            yield f"{a}.k_norm.weight", (hd,)
-        m = f"{p}.mlp"  # per-layer shared expert only; routed experts are in meta_mlp
-        yield f"{m}.shared_expert.gate_proj.weight", (shared, h)
-        yield f"{m}.shared_expert.up_proj.weight", (shared, h)
-        yield f"{m}.shared_expert.down_proj.weight", (h, shared)
-        yield f"{m}.shared_expert_gate.weight", (1, h)
+            yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
+        # per-layer shared expert only; routed experts are in meta_mlp
+        yield from qwen_layers.shared_expert(f"{p}.mlp", c)
     yield from _vision_tensors(config["vision_config"])
 
 

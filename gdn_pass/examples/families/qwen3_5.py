@@ -34,6 +34,8 @@ import importlib.util
 import sys
 from collections.abc import Iterator
 
+from gdn_pass.examples.families import qwen_layers
+
 _COMMON = {
     "vocab_size": 1024,
     "hidden_size": 256,
@@ -88,52 +90,24 @@ def _qwen3_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "model.embed_tokens.weight", (v, h)
     yield "model.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
-    hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
-    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
-    conv_dim = 2 * hk * dk + hv * dv  # conv runs over q, k and v
-    heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    moe = "num_experts" in c
     for i, kind in enumerate(c["layer_types"]):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", (h,)
         yield f"{p}.post_attention_layernorm.weight", (h,)
         if kind == "linear_attention":
-            a = f"{p}.linear_attn"
             # Unfused, non-interleaved projections (Qwen3.5 checkpoint layout).
-            yield f"{a}.in_proj_qkv.weight", (conv_dim, h)
-            yield f"{a}.in_proj_z.weight", (hv * dv, h)
-            yield f"{a}.in_proj_b.weight", (hv, h)
-            yield f"{a}.in_proj_a.weight", (hv, h)
-            yield f"{a}.conv1d.weight", (conv_dim, 1, c["linear_conv_kernel_dim"])
-            yield f"{a}.dt_bias", (hv,)
-            yield f"{a}.A_log", (hv,)
-            yield f"{a}.norm.weight", (dv,)
-            yield f"{a}.out_proj.weight", (h, hv * dv)
+            yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=False)
         else:
-            a = f"{p}.self_attn"
-            yield f"{a}.q_proj.weight", (2 * heads * hd, h)  # query + output gate
-            yield f"{a}.k_proj.weight", (kv_heads * hd, h)
-            yield f"{a}.v_proj.weight", (kv_heads * hd, h)
-            yield f"{a}.o_proj.weight", (h, heads * hd)
-            yield f"{a}.q_norm.weight", (hd,)
-            yield f"{a}.k_norm.weight", (hd,)
+            yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
         m = f"{p}.mlp"
-        if not moe:
+        if "num_experts" in c:
+            yield from qwen_layers.routed_experts(m, c)
+            yield from qwen_layers.shared_expert(m, c)
+        else:
             inter = c["intermediate_size"]
             yield f"{m}.gate_proj.weight", (inter, h)
             yield f"{m}.up_proj.weight", (inter, h)
             yield f"{m}.down_proj.weight", (h, inter)
-            continue
-        inter, shared = c["moe_intermediate_size"], c["shared_expert_intermediate_size"]
-        yield f"{m}.gate.weight", (c["num_experts"], h)
-        for e in range(c["num_experts"]):
-            yield f"{m}.experts.{e}.gate_proj.weight", (inter, h)
-            yield f"{m}.experts.{e}.up_proj.weight", (inter, h)
-            yield f"{m}.experts.{e}.down_proj.weight", (h, inter)
-        yield f"{m}.shared_expert.gate_proj.weight", (shared, h)
-        yield f"{m}.shared_expert.up_proj.weight", (shared, h)
-        yield f"{m}.shared_expert.down_proj.weight", (h, shared)
-        yield f"{m}.shared_expert_gate.weight", (1, h)
 
 
 CHECKPOINTS = {
