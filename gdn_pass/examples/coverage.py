@@ -46,28 +46,23 @@ def _cell(evidence: dict) -> tuple[str, str | None]:
     if status == "cpu_unsupported":
         return "CPU backend cannot run it", f"`{evidence.get('error', '')}`"
     if status == "op_guard":
-        return "core op guarded (poisoned slots)", evidence.get("detail")
+        return "guarded", evidence.get("detail")
     if status == "not_guardable":
         return "not guardable by a graph pass", evidence.get("detail")
     return evidence.get("cell", status or "?"), evidence.get("detail")
 
 
 def render(data: dict) -> str:
-    modes = sorted({m for fam in data.values() for m in fam})
-    rows = ["| family | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    """One row per (family, mode) the tests covered; details below as numbered notes."""
+    rows = ["| family | vLLM mode | result |", "|---|---|---|"]
     notes = []
     for family in sorted(data):
-        cells = []
-        for mode in modes:
-            if mode not in data[family]:
-                cells.append("")
-                continue
+        for mode in sorted(data[family], key=str.lower):
             cell, note = _cell(data[family][mode])
             if note:
-                notes.append(f"{len(notes) + 1}. {family}, {mode}: {note}")
+                notes.append(f"{len(notes) + 1}. {note}")
                 cell += f" [{len(notes)}]"
-            cells.append(cell)
-        rows.append(f"| {family} | " + " | ".join(cells) + " |")
+            rows.append(f"| {family} | {mode} | {cell} |")
     return "\n".join(rows + [""] + notes)
 
 
