@@ -14,10 +14,11 @@ vLLM, a renamed argument) is reported and left unchanged.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
+
+from gdn_pass.vllm import compat as _vllm_compat  # imports no vLLM
 
 __all__ = [
     "OpaqueStateOp",
@@ -48,41 +49,16 @@ class OpaqueStateOp:
         return self.arg_names.index(self.layer_arg)
 
 
-# Schemas as registered by vLLM 0.30 / 0.31 (`direct_register_custom_op`).
+# vLLM's GDN/KDA core ops of every supported release, with their schemas; the
+# table and its release notes live in the vLLM adapter.
 KNOWN_OPAQUE_STATE_OPS: dict[str, OpaqueStateOp] = {
-    op.qualname: op
-    for op in (
-        OpaqueStateOp(
-            "vllm::cpu_gdn_attention_core",
-            ("mixed_qkv", "b", "a", "core_attn_out", "layer_name"),
-        ),
-        OpaqueStateOp(
-            "vllm::qwen_gdn_attention_core",
-            ("qkv_or_qkvz", "b_or_ba", "a_or_z_out", "core_attn_out", "layer_name", "use_aiter"),
-        ),
-        OpaqueStateOp(
-            "vllm::qwen_gdn_attention_core_fused_norm_packed",
-            ("mixed_qkvz", "ba", "core_attn_out", "layer_name"),
-        ),
-        OpaqueStateOp(
-            "vllm::olmo_hybrid_gdn_full_forward",
-            ("hidden_states", "output", "layer_name"),
-        ),
-        OpaqueStateOp(
-            "vllm::gdn_attention_core_xpu",
-            ("core_attn_out", "z", "projected_states_qkvz", "projected_states_ba", "layer_name"),
-        ),
-        OpaqueStateOp(
-            "vllm::bailing_v3_kda_attention",
-            ("q_proj_states", "k_proj_states", "v_proj_states", "g1", "beta", "core_attn_out", "layer_name"),
-            family="kda",
-        ),
-    )
+    op.qualname: OpaqueStateOp(op.qualname, op.arg_names, op.layer_arg, op.family)
+    for op in _vllm_compat.CORE_OPS
 }
 
 # Ops we do not know but whose names say they carry GDN/KDA state: these are
 # reported as "left alone: unknown op" so nothing is skipped silently.
-LOOKS_LIKE_STATE_OP = re.compile(r"gdn|kda|gated_delta|delta_rule", re.IGNORECASE)
+LOOKS_LIKE_STATE_OP = _vllm_compat.LOOKS_LIKE_STATE_OP
 
 
 def schema_mismatch(op: torch._ops.OpOverload, spec: OpaqueStateOp) -> str | None:

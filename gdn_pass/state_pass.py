@@ -56,6 +56,7 @@ _BEHAVIOUR_MODULES = (
     "gdn_pass.gated_reads",
     "inductor_ext.gated_gather",
     "gdn_pass.opaque_ops",
+    "gdn_pass.vllm.compat",
     "gdn_pass.vllm.guarded_ops",
     "gdn_pass.vllm.state_guard",
     "gdn_pass.vllm.piecewise",

@@ -62,12 +62,22 @@ def load_model_classes_in_process(model: str) -> None:
 
 def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None,
              max_num_batched_tokens: int | None = None,
-             pass_hook: str = "post_grad_custom_post_pass", **engine_overrides):
+             pass_hook: str = "post_grad_custom_post_pass", pass_by_name: bool = False,
+             compilation: dict | None = None, **engine_overrides):
+    """An engine for the scenarios. ``guard`` adds GDNStatePass under ``pass_hook``,
+    as an object or, with ``pass_by_name``, as the qualified name ``vllm serve``
+    takes; ``compilation`` adds further compilation-config entries."""
     from vllm import LLM
 
     load_model_classes_in_process(model)
-    compilation_config: dict = {}
-    if guard:
+    compilation_config: dict = dict(compilation or {})
+    if guard and pass_by_name:
+        from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
+
+        if report_dir:
+            os.environ["GDN_PASS_REPORT_DIR"] = report_dir
+        compilation_config["inductor_passes"] = {pass_hook: SERVE_PASS}
+    elif guard:
         from gdn_pass.vllm import GDNStatePass
 
         compilation_config["inductor_compile_config"] = {pass_hook: GDNStatePass(report_dir=report_dir)}
@@ -95,13 +105,15 @@ class StepRecorder:
     """Records what the GDN builder saw on each step (row kinds, slots)."""
 
     def __init__(self):
-        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+        from gdn_pass.vllm import compat
 
+        builder_class = compat.builder_class()
         self.steps: list[dict] = []
-        original = GDNAttentionMetadataBuilder.build
+        original = builder_class.build
 
-        def build(builder, common_prefix_len, m, *args, **kwargs):
-            md = original(builder, common_prefix_len, m, *args, **kwargs)
+        def build(builder, *args, **kwargs):  # vLLM 0.26 passes keywords, 0.30 positions
+            md = original(builder, *args, **kwargs)
+            m = compat.build_inputs(original, builder, args, kwargs)
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
             slots = md.non_spec_state_indices_tensor
@@ -116,7 +128,12 @@ class StepRecorder:
             )
             return md
 
-        GDNAttentionMetadataBuilder.build = build
+        builder_class.build = build
+
+    def padded_steps(self) -> list[dict]:
+        """Steps whose state-slot rows outnumber the real rows (CUDA-graph padding)."""
+        return [s for s in self.steps if s["state_slots"] is not None
+                and len(s["state_slots"]) > sum(q > 0 for q in s["query_lens"])]
 
     def fresh_decode_steps(self) -> list[dict]:
         """Steps where a brand-new row was classified as a decode (the bug's trigger)."""
@@ -168,6 +185,7 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
     return dict(
         requests={k.split("-")[0]: v for k, v in finished.items()},
         fresh_decode_steps=len(recorder.fresh_decode_steps()),
+        padded_steps=len(recorder.padded_steps()),
     )
 
 
@@ -203,6 +221,11 @@ def main() -> None:
     ap.add_argument("--pass-hook", default="post_grad_custom_post_pass",
                     choices=["post_grad_custom_post_pass", "joint_custom_post_pass"],
                     help="inductor config key the pass is given under")
+    ap.add_argument("--pass-by-name", action="store_true",
+                    help="configure the pass as compilation_config['inductor_passes'] = "
+                         "{hook: 'gdn_pass.vllm.serve.GDN_STATE_PASS'}, the form vllm serve takes")
+    ap.add_argument("--compilation-arg", action="append", default=[], metavar="KEY=JSON",
+                    help="extra compilation_config entry, e.g. cudagraph_mode=FULL or splitting_ops=[]")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                     help="extra vLLM engine argument, e.g. enable_prefix_caching=true or "
                          'speculative_config=\'{"method": "mtp", "num_speculative_tokens": 1}\'')
@@ -221,14 +244,18 @@ def main() -> None:
     with debug:
         llm = make_llm(args.model, guard=args.guard == "on", compile=not args.eager,
                        report_dir=args.report_dir, max_num_batched_tokens=args.max_num_batched_tokens,
-                       pass_hook=args.pass_hook,
+                       pass_hook=args.pass_hook, pass_by_name=args.pass_by_name,
+                       compilation=parse_engine_args(args.compilation_arg),
                        **parse_engine_args(args.engine_arg))
         started = time.time()
         r3_prompt = R3_PROMPT if args.r3_prompt_len == len(R3_PROMPT) else [
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
         result = run(args.scenario, llm, recorder, r3_prompt)
     cache_config = llm.llm_engine.vllm_config.cache_config
+    from gdn_pass.vllm import metadata_hook
+
     result.update(
+        plugin_hook_installed=metadata_hook.is_installed(),
         mamba_cache_mode=cache_config.mamba_cache_mode,
         enable_prefix_caching=cache_config.enable_prefix_caching,
         scenario=args.scenario, guard=args.guard, compiled=not args.eager,

@@ -1,14 +1,69 @@
-"""What the running vLLM provides, detected rather than assumed (0.30-0.33)."""
+"""Every difference between the vLLM releases gdn-pass supports, in one place.
+
+The rest of the package asks this module instead of reading vLLM internals:
+
+================  ========  ===============================  ===========================
+release           platform  GDN builder                      GDN/KDA core ops (vllm::)
+================  ========  ===============================  ===========================
+0.26.0            CUDA      no base ``__init__``; ``build``  qwen_gdn_attention_core,
+                            called by keyword                olmo_hybrid_gdn_full_forward,
+                                                             kda_attention (Kimi-Linear),
+                                                             cpu_gdn_attention_core
+0.27.0            CPU       no base ``__init__``             as 0.26 minus kda_attention
+                                                             (Kimi's KDA read is plain Python)
+0.28.0, 0.29.0    CPU       no base ``__init__``             + ..._fused_norm_packed,
+                                                             bailing_v3_kda_attention
+0.30.0            CPU       base ``__init__`` (``device``,   as 0.28
+                            ``layer_names`` attributes)
+0.31.0            CPU       upstream fix (fresh rows are     as 0.28; the pass changes
+                            prefills)                        nothing there
+================  ========  ===============================  ===========================
+
+All of them have ``PAD_SLOT_ID = -1`` and ``NULL_BLOCK_ID = 0`` and keep
+``InductorPass`` in ``vllm.compilation.passes.inductor_pass`` (older releases
+had ``vllm.compilation.inductor_pass``). Nothing here imports vLLM at module
+import time: the plugin entry point must stay cheap.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
+import inspect
+import re
+from typing import Any
 
-__all__ = ["inductor_pass_base", "pad_slot_ids", "vllm_version", "UnsupportedVLLM"]
+import torch
 
-# InductorPass moved from vllm.compilation.inductor_pass to
-# vllm.compilation.passes.inductor_pass.
+__all__ = [
+    "BuilderContext",
+    "CORE_OPS",
+    "CoreOp",
+    "TESTED_RELEASES",
+    "UnsupportedVLLM",
+    "build_inputs",
+    "builder_class",
+    "builder_context",
+    "check_supported",
+    "core_op_problems",
+    "inductor_pass_base",
+    "num_computed_tokens",
+    "pad_slot_ids",
+    "vllm_version",
+]
+
+# Releases the project runs end to end (benchmarks/results/version_matrix.md,
+# benchmarks/results/gpu_vllm_e2e.md). "fixed" carries vLLM's own fix.
+TESTED_RELEASES = {
+    "0.26.0": "cuda",
+    "0.27.0": "cpu",
+    "0.28.0": "cpu",
+    "0.29.0": "cpu",
+    "0.30.0": "cpu",
+    "0.31.0": "cpu, fixed upstream",
+}
+
 _INDUCTOR_PASS_MODULES = (
     "vllm.compilation.passes.inductor_pass",
     "vllm.compilation.inductor_pass",
@@ -16,13 +71,25 @@ _INDUCTOR_PASS_MODULES = (
 
 
 class UnsupportedVLLM(ImportError):
-    """The installed vLLM lacks something gdn-pass needs."""
+    """The installed vLLM lacks something gdn-pass needs to guard GDN state."""
 
 
 def vllm_version() -> str:
     import vllm
 
     return getattr(vllm, "__version__", "unknown")
+
+
+def _unsupported(what: str) -> UnsupportedVLLM:
+    tested = ", ".join(f"{v} ({p})" for v, p in TESTED_RELEASES.items())
+    return UnsupportedVLLM(
+        f"gdn-pass cannot guard GDN state on vLLM {vllm_version()}: {what}. "
+        f"Tested releases: {tested}. Remove GDNStatePass from the compilation config "
+        "to run this vLLM unguarded, or install a tested release."
+    )
+
+
+# --- InductorPass ---------------------------------------------------------------
 
 
 @functools.cache
@@ -32,11 +99,10 @@ def inductor_pass_base() -> type:
             return importlib.import_module(name).InductorPass
         except (ImportError, AttributeError):
             continue
-    raise UnsupportedVLLM(
-        f"vLLM {vllm_version()} has no InductorPass in any of {_INDUCTOR_PASS_MODULES}; "
-        "gdn-pass supports vLLM 0.30-0.33. Use gdn_pass.GDNStatePass with plain "
-        "torch.compile, or install a supported vLLM."
-    )
+    raise _unsupported(f"no InductorPass in any of {_INDUCTOR_PASS_MODULES}")
+
+
+# --- padding sentinels ----------------------------------------------------------
 
 
 @functools.cache
@@ -51,3 +117,181 @@ def pad_slot_ids() -> tuple[int, ...]:
     if hasattr(utils, "NULL_BLOCK_ID"):
         ids.append(utils.NULL_BLOCK_ID)
     return tuple(dict.fromkeys(ids))
+
+
+# --- the GDN metadata builder ---------------------------------------------------
+
+
+def builder_class() -> type:
+    """The builder of every GDN/KDA layer the bug affects (Kimi-K3 has its own, fixed)."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    return GDNAttentionMetadataBuilder
+
+
+@dataclasses.dataclass(frozen=True)
+class BuilderContext:
+    """What a GDN builder was given at construction.
+
+    0.30's builder keeps these as attributes (through the base class's
+    ``__init__``); 0.26-0.29's do not, so they are taken from the constructor's
+    arguments, which every release has.
+    """
+
+    layer_names: tuple[str, ...]
+    device: torch.device
+    kv_cache_spec: Any
+    vllm_config: Any
+
+
+_CONSTRUCTOR_ARGS = ("kv_cache_spec", "layer_names", "vllm_config", "device")
+
+
+def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
+    """Bind a builder constructor call's arguments (positional or keyword)."""
+    bound = inspect.signature(init).bind(builder, *args, **kwargs).arguments
+    missing = [name for name in _CONSTRUCTOR_ARGS if name not in bound]
+    if missing:
+        raise _unsupported(f"{builder_class().__name__}.__init__ takes no {missing}")
+    return BuilderContext(
+        layer_names=tuple(bound["layer_names"]),
+        device=torch.device(bound["device"]),
+        kv_cache_spec=bound["kv_cache_spec"],
+        vllm_config=bound["vllm_config"],
+    )
+
+
+def build_inputs(build, builder, args: tuple, kwargs: dict):
+    """``common_attn_metadata`` of a ``build`` call, positional (0.30) or keyword (0.26)."""
+    return inspect.signature(build).bind(builder, *args, **kwargs).arguments["common_attn_metadata"]
+
+
+def num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:
+    """Tokens computed before this step, per row, without a device sync where possible."""
+    num_reqs = query_lens.numel()
+    for field in ("seq_lens_cpu_upper_bound", "seq_lens_cpu"):
+        # Upper bounds are exact for prefill rows and only over-estimate
+        # decode rows, which have state either way.
+        seq_lens = getattr(common, field, None)
+        if seq_lens is not None:
+            return seq_lens[:num_reqs] - query_lens
+    computed = getattr(common, "num_computed_tokens_cpu", None)
+    if computed is not None:
+        return computed[:num_reqs]
+    return common.compute_num_computed_tokens()[:num_reqs]
+
+
+# --- GDN/KDA core ops -----------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class CoreOp:
+    """A vLLM custom op that reads one layer's GDN/KDA state slots inside.
+
+    ``arg_names`` is the schema as registered by every release in
+    ``releases`` (checked by ``tests/vllm/test_compat.py`` in each CPU
+    environment and ``tests/gpu/test_vllm_e2e.py`` on CUDA).
+    """
+
+    qualname: str
+    arg_names: tuple[str, ...]
+    releases: str
+    family: str = "gdn"
+    layer_arg: str = "layer_name"
+
+
+CORE_OPS: tuple[CoreOp, ...] = (
+    CoreOp("vllm::cpu_gdn_attention_core",
+           ("mixed_qkv", "b", "a", "core_attn_out", "layer_name"), "0.26-0.31"),
+    CoreOp("vllm::qwen_gdn_attention_core",
+           ("qkv_or_qkvz", "b_or_ba", "a_or_z_out", "core_attn_out", "layer_name", "use_aiter"),
+           "0.26-0.31"),
+    CoreOp("vllm::qwen_gdn_attention_core_fused_norm_packed",
+           ("mixed_qkvz", "ba", "core_attn_out", "layer_name"), "0.28-0.31"),
+    CoreOp("vllm::olmo_hybrid_gdn_full_forward",
+           ("hidden_states", "output", "layer_name"), "0.26-0.31"),
+    CoreOp("vllm::gdn_attention_core_xpu",
+           ("core_attn_out", "z", "projected_states_qkvz", "projected_states_ba", "layer_name"),
+           "0.26-0.31"),
+    CoreOp("vllm::kda_attention",  # Kimi-Linear; from 0.27 its read is plain Python
+           ("q_proj_states", "k_proj_states", "v_proj_states", "g1", "beta", "core_attn_out",
+            "layer_name"), "0.26", family="kda"),
+    CoreOp("vllm::bailing_v3_kda_attention",
+           ("q_proj_states", "k_proj_states", "v_proj_states", "g1", "beta", "core_attn_out",
+            "layer_name"), "0.28-0.31", family="kda"),
+)
+
+# Ops we do not know but whose names say they carry GDN/KDA state.
+LOOKS_LIKE_STATE_OP = re.compile(r"gdn|kda|gated_delta|delta_rule", re.IGNORECASE)
+# vllm:: ops whose names match but that read no state slot: helpers that
+# compute gates or run kernels on tensors the caller passes in.
+NOT_STATE_OPS = frozenset()
+
+
+def _registered_vllm_ops() -> list[str]:
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("vllm::"))
+
+
+def core_op_problems() -> list[str]:
+    """Why the GDN/KDA core ops registered in this process cannot all be guarded.
+
+    Empty when every registered op that looks like one is known, with the
+    known schema.
+    """
+    from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
+
+    problems = []
+    for qualname in _registered_vllm_ops():
+        name = qualname.split("::", 1)[1]
+        spec = KNOWN_OPAQUE_STATE_OPS.get(qualname)
+        if spec is None:
+            if LOOKS_LIKE_STATE_OP.search(name) and qualname not in NOT_STATE_OPS:
+                problems.append(f"{qualname} looks like a GDN/KDA core op but gdn-pass does not know it")
+            continue
+        mismatch = schema_mismatch(getattr(torch.ops.vllm, name).default, spec)
+        if mismatch:
+            problems.append(f"{qualname}: {mismatch}")
+    return problems
+
+
+# --- start-up check -------------------------------------------------------------
+
+
+def _fields(cls) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    return set(getattr(cls, "__annotations__", {}))
+
+
+def check_supported(context: BuilderContext) -> None:
+    """Raise UnsupportedVLLM, naming what is missing, if rows cannot be staged here.
+
+    Called when a GDN builder is constructed in an engine that configured
+    GDNStatePass: at engine start, never inside a step.
+    """
+    from vllm.v1.attention import backend
+    from vllm.v1.attention.backends import gdn_attn
+
+    missing = []
+    gdn_fields = _fields(gdn_attn.GDNAttentionMetadata)
+    for field in ("non_spec_state_indices_tensor", "spec_sequence_masks"):
+        if field not in gdn_fields:
+            missing.append(f"GDNAttentionMetadata.{field}")
+    common = backend.CommonAttentionMetadata
+    common_fields = _fields(common)
+    for field in ("query_start_loc_cpu", "num_reqs"):
+        if field not in common_fields:
+            missing.append(f"CommonAttentionMetadata.{field}")
+    if not ({"seq_lens_cpu_upper_bound", "seq_lens_cpu", "num_computed_tokens_cpu"} & common_fields
+            or hasattr(common, "compute_num_computed_tokens")):
+        missing.append("any per-row computed-token count on CommonAttentionMetadata")
+    if "common_attn_metadata" not in inspect.signature(builder_class().build).parameters:
+        missing.append(f"{builder_class().__name__}.build(common_attn_metadata=...)")
+    if not context.layer_names:
+        missing.append("the builder's layer names")
+    forward_context = getattr(context.vllm_config.compilation_config, "static_forward_context", None)
+    if forward_context is None:
+        missing.append("compilation_config.static_forward_context")
+    missing.extend(core_op_problems())
+    if missing:
+        raise _unsupported("; ".join(missing))

@@ -30,57 +30,92 @@ __all__ = ["install", "is_installed", "stage_rows"]
 from gdn_pass._logging import logger
 
 _MARK = "__gdn_pass_wrapped__"
+_BUILDER_CONTEXT = "_gdn_pass_context"
 _BUILDER_ROWS = "_gdn_pass_rows"
 _BUILDER_TABLE = "_gdn_pass_cache_table"
 _warned: set[str] = set()
 
 
-def _builder_class():
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
-
-    return GDNAttentionMetadataBuilder
-
-
 def is_installed() -> bool:
-    return getattr(_builder_class().build, _MARK, False)
+    return getattr(compat.builder_class().build, _MARK, False)
 
 
 def install() -> bool:
-    """Wrap the GDN builder's ``build`` (idempotent). True if it was newly wrapped."""
-    builder = _builder_class()
+    """Wrap the GDN builder's ``__init__`` and ``build`` (idempotent). True if newly wrapped.
+
+    Where GDNStatePass is not configured both wrappers only record and pass
+    through: nothing they do can raise into the engine. Where it is, every
+    check that can fail runs in ``__init__``, at engine start.
+    """
+    builder = compat.builder_class()
     if getattr(builder.build, _MARK, False):
         return False
-    original = builder.build
+    original_init, original_build = builder.__init__, builder.build
 
-    @functools.wraps(original)
-    def build(self, common_prefix_len, common_attn_metadata, *args, **kwargs):
-        metadata = original(self, common_prefix_len, common_attn_metadata, *args, **kwargs)
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _on_builder_created(self, original_init, args, kwargs)
+
+    @functools.wraps(original_build)
+    def build(self, *args, **kwargs):
+        metadata = original_build(self, *args, **kwargs)
+        context = self.__dict__.get(_BUILDER_CONTEXT)
+        if context is None:  # not configured (or built before the hook existed)
+            return metadata
+        common = compat.build_inputs(original_build, self, args, kwargs)
         rows = self.__dict__.get(_BUILDER_ROWS)
         if rows is None:
-            rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self)
-            _check_compilation(self.vllm_config)
-        stage_rows(rows, common_attn_metadata, metadata)
+            rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
+        stage_rows(rows, common, metadata)
         setattr(metadata, ROWS_ATTR, rows)
-        setattr(metadata, CACHES_ATTR, _group_cache_table(self))
+        setattr(metadata, CACHES_ATTR, _group_cache_table(self, context))
         return metadata
 
     setattr(build, _MARK, True)
+    builder.__init__ = __init__
     builder.build = build
     return True
 
 
-def _group_cache_table(builder) -> CacheTable | None:
+def _on_builder_created(builder, init, args, kwargs) -> None:
+    """Keep what the builder was given, if this engine asked for the guard.
+
+    Unconfigured engines get the one-time warnings and nothing else; no error
+    here may reach them. Configured engines that cannot be guarded stop here,
+    at start-up, with UnsupportedVLLM naming what is missing.
+    """
+    vllm_config = kwargs.get("vllm_config") or next(
+        (a for a in args if hasattr(a, "compilation_config")), None)
+    try:
+        from gdn_pass.vllm.gdn_state_pass import configured_pass
+
+        configured = configured_pass(vllm_config.compilation_config) is not None
+    except Exception as exc:  # noqa: BLE001 - no pass could have been configured: run as is
+        logger.debug("gdn-pass: GDN builder not recorded (%r)", exc)
+        return
+    try:
+        _warn_about_mode(vllm_config, configured)
+    except Exception as exc:  # noqa: BLE001 - a warning must never stop an engine
+        logger.debug("gdn-pass: could not check the compilation mode (%r)", exc)
+    if configured:
+        context = compat.builder_context(init, builder, args, kwargs)
+        compat.check_supported(context)
+        builder.__dict__[_BUILDER_CONTEXT] = context
+
+
+def _group_cache_table(builder, context: compat.BuilderContext) -> CacheTable | None:
     """The state caches of every layer this builder serves, as one table (CUDA).
 
     Built here, outside CUDA-graph capture, and kept while the caches stay
     where they are (vLLM allocates them once; profiling runs have none yet).
     """
-    if torch.device(builder.device).type != "cuda":
+    if context.device.type != "cuda":
         return None
-    context = builder.vllm_config.compilation_config.static_forward_context
+    forward_context = context.vllm_config.compilation_config.static_forward_context
     caches = []
-    for name in builder.layer_names:
-        kv_cache = getattr(context.get(name), "kv_cache", None) or ()
+    for name in context.layer_names:
+        kv_cache = getattr(forward_context.get(name), "kv_cache", None) or ()
         caches.extend(t for t in kv_cache if isinstance(t, torch.Tensor) and t.numel())
     table = builder.__dict__.get(_BUILDER_TABLE)
     if table is None or table.key != CacheTable.key_of(caches):
@@ -88,14 +123,14 @@ def _group_cache_table(builder) -> CacheTable | None:
     return table
 
 
-def _new_rows(builder) -> StagedRowMetadata:
-    cfg = builder.vllm_config
+def _new_rows(builder, context: compat.BuilderContext) -> StagedRowMetadata:
+    cfg = context.vllm_config
     max_rows = max(
         cfg.scheduler_config.max_num_seqs,
         getattr(builder, "decode_cudagraph_max_bs", 0),
         cfg.compilation_config.max_cudagraph_capture_size or 0,
     )
-    return StagedRowMetadata(max_rows, device=builder.device, pad_slot_ids=compat.pad_slot_ids())
+    return StagedRowMetadata(max_rows, device=context.device, pad_slot_ids=compat.pad_slot_ids())
 
 
 def stage_rows(rows: StagedRowMetadata, common, metadata) -> None:
@@ -107,7 +142,7 @@ def stage_rows(rows: StagedRowMetadata, common, metadata) -> None:
         return
     num_reqs = common.num_reqs
     query_lens = common.query_start_loc_cpu[1 : num_reqs + 1] - common.query_start_loc_cpu[:num_reqs]
-    computed = _num_computed_tokens(common, query_lens)
+    computed = compat.num_computed_tokens(common, query_lens)
     if metadata.spec_sequence_masks is not None:
         non_spec = ~metadata.spec_sequence_masks[:num_reqs].cpu()
         query_lens, computed = query_lens[non_spec], computed[non_spec]
@@ -120,28 +155,13 @@ def stage_rows(rows: StagedRowMetadata, common, metadata) -> None:
     rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots)
 
 
-def _num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:
-    """Tokens computed before this step, per row, without a device sync if possible."""
-    num_reqs = query_lens.numel()
-    for field in ("seq_lens_cpu_upper_bound", "seq_lens_cpu"):
-        # Upper bounds are exact for prefill rows and only over-estimate
-        # decode rows, which have state either way.
-        seq_lens = getattr(common, field, None)
-        if seq_lens is not None:
-            return seq_lens[:num_reqs] - query_lens
-    computed = getattr(common, "num_computed_tokens_cpu", None)
-    if computed is not None:
-        return computed[:num_reqs]
-    return common.compute_num_computed_tokens()[:num_reqs]
-
-
-def _check_compilation(vllm_config) -> None:
-    """Say once per process when the guard cannot run."""
-    from gdn_pass.vllm.gdn_state_pass import configured_pass
+def _warn_about_mode(vllm_config, configured: bool) -> None:
+    """Say once per process when the guard cannot act in this engine."""
+    from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
     cc = vllm_config.compilation_config
     mode = int(getattr(cc, "mode", 0) or 0)
-    if mode == 0 or vllm_config.model_config.enforce_eager:
+    if mode == 0 or getattr(vllm_config.model_config, "enforce_eager", False):
         _warn_once(
             "eager",
             "this engine runs without compilation (enforce_eager=True or "
@@ -149,14 +169,13 @@ def _check_compilation(vllm_config) -> None:
             "request scheduled next to decodes can still read a recycled state slot "
             "(vllm#51562). Enable compilation to get the fix.",
         )
-        return
-    if configured_pass(cc) is None:
+    elif not configured:
         _warn_once(
             "unconfigured",
             "plugin installed but GDNStatePass is not in "
             "compilation_config['inductor_compile_config']['post_grad_custom_post_pass'] "
-            "(or 'joint_custom_post_pass'); "
-            "GDN state reads are not guarded.",
+            "(or 'joint_custom_post_pass', or compilation_config['inductor_passes'] as "
+            f"{SERVE_PASS!r}); GDN state reads are not guarded.",
         )
 
 

@@ -89,3 +89,134 @@ def test_install_is_idempotent():
     metadata_hook.install()
     assert metadata_hook.is_installed()
     assert metadata_hook.install() is False
+
+
+# --- the hook in a real GDN builder, on every builder layout --------------------
+#
+# vLLM 0.26-0.29 build GDNAttentionMetadataBuilder without the base class's
+# __init__: no `device`, no `layer_names` attributes. Deleting the two after
+# construction gives that layout on any release; on 0.26-0.29 it is the layout.
+
+from gdn_pass.vllm.state_guard import ROWS_ATTR  # noqa: E402
+
+LAYERS = ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
+
+
+def vllm_config(*, configured: bool, by_name: bool = False):
+    from vllm.config import CompilationConfig, VllmConfig
+
+    from gdn_pass.vllm import GDNStatePass
+
+    if not configured:
+        cc = CompilationConfig()
+    elif by_name:
+        from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
+
+        cc = CompilationConfig(inductor_passes={"post_grad_custom_post_pass": SERVE_PASS})
+    else:
+        cc = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()})
+    return VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
+
+
+def new_builder(config, *, like_0_26: bool, monkeypatch):
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    # The prefill-backend probe reads the model's config on CUDA; there is no model here.
+    monkeypatch.setattr(qwen_gdn_linear_attn, "_resolve_gdn_prefill_backend",
+                        lambda cfg: ("triton", "triton"), raising=False)
+    metadata_hook.install()
+    spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    builder = GDNAttentionMetadataBuilder(spec, LAYERS, config, torch.device("cpu"))
+    if like_0_26:
+        for attr in ("device", "layer_names"):
+            builder.__dict__.pop(attr, None)
+    return builder
+
+
+def bug_step():
+    """Every row has one token; row 1 is brand new: the builder calls it a decode.
+
+    Rows own state blocks 3, 4, 5 (block 0 is vLLM's null block)."""
+    import dataclasses
+
+    common = common_metadata([9, 0, 30], [1, 1, 1])
+    return dataclasses.replace(common, block_table_tensor=torch.tensor([[3], [4], [5]], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("like_0_26", [True, False])
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_unconfigured_engine_builds_exactly_as_without_the_plugin(monkeypatch, like_0_26, by_keyword):
+    builder = new_builder(vllm_config(configured=False), like_0_26=like_0_26, monkeypatch=monkeypatch)
+    common = bug_step()
+    args, kwargs = ((), dict(common_prefix_len=0, common_attn_metadata=common)) if by_keyword else ((0, common), {})
+    metadata = builder.build(*args, **kwargs)
+    plain = builder.build.__wrapped__(builder, *args, **kwargs)
+    assert not hasattr(metadata, ROWS_ATTR)
+    assert metadata.num_decodes == plain.num_decodes == 3  # the bug's classification, untouched
+    assert metadata.non_spec_state_indices_tensor.tolist() == plain.non_spec_state_indices_tensor.tolist()
+
+
+@pytest.mark.parametrize("like_0_26", [True, False])
+@pytest.mark.parametrize("by_name", [False, True])
+def test_configured_engine_stages_rows_on_every_layout(monkeypatch, like_0_26, by_name):
+    builder = new_builder(vllm_config(configured=True, by_name=by_name), like_0_26=like_0_26,
+                          monkeypatch=monkeypatch)
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # 0.26's call
+    rows = getattr(metadata, ROWS_ATTR)
+    assert rows.device == torch.device("cpu")
+    assert rows.has_initial_state[:3].tolist() == [True, False, True]
+    assert metadata.non_spec_state_indices_tensor.tolist() == [3, 4, 5]
+    assert rows.fresh_slots().tolist() == [4]
+
+
+def test_configured_engine_with_an_unsupported_layout_stops_at_start(monkeypatch):
+    import dataclasses
+
+    from vllm.v1.attention.backends import gdn_attn
+
+    @dataclasses.dataclass
+    class RenamedMetadata:  # a future layout: the slots field got a new name
+        state_indices: torch.Tensor | None = None
+        spec_sequence_masks: torch.Tensor | None = None
+
+    monkeypatch.setattr(gdn_attn, "GDNAttentionMetadata", RenamedMetadata)
+    with pytest.raises(compat.UnsupportedVLLM) as error:
+        new_builder(vllm_config(configured=True), like_0_26=True, monkeypatch=monkeypatch)
+    message = str(error.value)
+    assert f"vLLM {compat.vllm_version()}" in message
+    assert "GDNAttentionMetadata.non_spec_state_indices_tensor" in message
+    assert "Remove GDNStatePass" in message
+    # The same vLLM without the pass configured starts.
+    new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
+
+
+def test_configured_engine_with_an_unknown_core_op_stops_at_start(monkeypatch):
+    real = compat._registered_vllm_ops()
+    monkeypatch.setattr(compat, "_registered_vllm_ops", lambda: real + ["vllm::new_gdn_attention_core"])
+    with pytest.raises(compat.UnsupportedVLLM, match="vllm::new_gdn_attention_core looks like a GDN/KDA core op"):
+        new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
+    new_builder(vllm_config(configured=False), like_0_26=False, monkeypatch=monkeypatch)
+
+
+def test_unconfigured_engine_survives_a_broken_adapter(monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("adapter bug")
+
+    for name in ("builder_context", "build_inputs", "check_supported", "num_computed_tokens"):
+        monkeypatch.setattr(compat, name, broken)
+    builder = new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
+    assert not hasattr(builder.build(0, bug_step()), ROWS_ATTR)
+
+
+def test_pass_by_qualified_name_is_vllms_resolved_object():
+    import gdn_pass.vllm.serve as serve
+    from gdn_pass.vllm.gdn_state_pass import configured_pass
+
+    cc = vllm_config(configured=True, by_name=True).compilation_config
+    # vLLM resolved the name itself, as __import__(module).__dict__[name]
+    assert cc.inductor_compile_config["post_grad_custom_post_pass"] is serve.GDN_STATE_PASS
+    assert configured_pass(cc) is serve.GDN_STATE_PASS

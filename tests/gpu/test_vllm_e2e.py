@@ -1,0 +1,145 @@
+"""vllm#51562 fixed in a real CUDA vLLM engine (0.26 on the H200), per compilation mode.
+
+Each case runs the README scenario in its own engine process on the tiny
+seeded Qwen3-Next: R1 runs and finishes, R2 keeps decoding, R3 (a one-token
+prompt) is admitted next to R2 on R1's recycled state slot. Pass off must
+diverge from R3 run alone in a fresh engine (the bug is there to fix), pass
+on must equal it, and R2 must be the same with and without the pass. Every
+pass-off engine also shows that the installed plugin, not configured,
+leaves the engine running.
+
+The engines of a run start together (each with its own small KV cache, so
+vLLM skips memory profiling), then one more pass-on engine starts on the
+compile cache the first one wrote. ``GDN_PASS_GPU_RESULTS=DIR`` keeps the
+per-case results as JSON (benchmarks/results/gpu_vllm_e2e.*).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared/gpu-vllm)")
+
+from gdn_pass.examples.demo import compare  # noqa: E402
+from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+
+ENGINE = [  # what vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md)
+    "kv_cache_memory_bytes=268435456",
+    "gpu_memory_utilization=0.05",
+    'additional_config={"gdn_prefill_backend": "triton"}',
+]
+MODES = {  # mode: compilation-config entries
+    "default": [],  # VLLM_COMPILE, FULL_AND_PIECEWISE; GDN core ops are splitting ops
+    "full": ["cudagraph_mode=FULL"],
+    "no_split": ["splitting_ops=[]"],
+    # Only sizes 1 and 4 are captured: R2 + R3 (2 real rows) replay the
+    # 4-row graph with 2 padding rows.
+    "padded": ["cudagraph_capture_sizes=[1, 4]"],
+}
+ENGINE_TIMEOUT_S = 540
+# Logprobs of the fresh row: decode kernels alone vs next to R2 differ only in
+# bf16 rounding of the batch; tokens must be identical.
+LOGPROB_TOL = 2e-2
+
+
+def _scenario(name, scenario, guard, model, workdir, compilation=(), env_extra=None):
+    out, log = workdir / f"{name}.json", workdir / f"{name}.log"
+    cmd = [sys.executable, "-m", "gdn_pass.examples.vllm_scenarios", scenario, "--model", str(model),
+           "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
+    cmd += [a for item in ENGINE for a in ("--engine-arg", item)]
+    cmd += [a for item in compilation for a in ("--compilation-arg", item)]
+    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1",
+               VLLM_CACHE_ROOT=str(workdir / f"cache_{name}"))
+    env.update(env_extra or {})
+    start = time.time()
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=ENGINE_TIMEOUT_S)
+    text = log.read_text()
+    if proc.returncode != 0:
+        return dict(name=name, error=f"exit {proc.returncode}", log_tail=text[-4000:])
+    result = json.loads(out.read_text())
+    reports = workdir / f"reports_{name}"
+    result.update(name=name, wall_s=round(time.time() - start, 1),
+                  pass_reports=len(list(reports.glob("*.json"))) if reports.exists() else 0,
+                  compile_cache_hit="Directly load" in text)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("gpu_vllm")
+    model = write_checkpoint("qwen3_next", workdir / "tiny_qwen3_next", seed=0)
+    cases = {"isolated": ("isolated", "off", [])}
+    for mode, compilation in MODES.items():
+        for guard in ("off", "on"):
+            cases[f"{mode}_{guard}"] = ("poisoned", guard, compilation)
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(_scenario, name, *case[:2], model, workdir, case[2])
+                   for name, case in cases.items()}
+        results = {name: f.result() for name, f in futures.items()}
+    # A second pass-on engine on the compile cache the first default one wrote.
+    cache = {"VLLM_CACHE_ROOT": str(workdir / "cache_default_on")}
+    results["default_on_restart"] = _scenario("default_on_restart", "poisoned", "on", model, workdir,
+                                              MODES["default"], env_extra=cache)
+    out = os.environ.get("GDN_PASS_GPU_RESULTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        summary = {"vllm": vllm.__version__, "runs": {
+            k: {key: v[key] for key in v if key not in ("log_tail",)} for k, v in results.items()}}
+        (Path(out) / "gpu_vllm_e2e.json").write_text(json.dumps(summary, indent=1))
+    return results
+
+
+def _ok(runs, name) -> dict:
+    result = runs[name]
+    assert "error" not in result, f"{name}: {result.get('error')}\n{result.get('log_tail')}"
+    return result
+
+
+def r3(runs, name) -> dict:
+    return _ok(runs, name)["requests"]["R3"]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pass_off_reproduces_the_bug(runs, mode):
+    off = _ok(runs, f"{mode}_off")
+    assert off["plugin_hook_installed"], "the gdn_pass entry point did not load in the engine"
+    assert off["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
+    assert not compare(r3(runs, "isolated"), r3(runs, f"{mode}_off"))["same_tokens"], (
+        f"{mode}: R3 next to R2 on a recycled slot matched the isolated run without the pass; "
+        "the scenario no longer exposes vllm#51562")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pass_on_matches_isolated(runs, mode):
+    on = _ok(runs, f"{mode}_on")
+    assert on["fresh_decode_steps"] > 0
+    diff = compare(r3(runs, "isolated"), on["requests"]["R3"])
+    assert diff["same_tokens"] and diff["max_logprob_diff"] <= LOGPROB_TOL, diff
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_r2_unchanged_by_the_pass(runs, mode):
+    off, on = _ok(runs, f"{mode}_off"), _ok(runs, f"{mode}_on")
+    diff = compare(off["requests"]["R2"], on["requests"]["R2"])
+    assert diff["same_tokens"] and diff["max_logprob_diff"] == 0.0, diff
+
+
+def test_padded_step_replayed_a_larger_graph(runs):
+    for guard in ("off", "on"):
+        assert _ok(runs, f"padded_{guard}")["padded_steps"] > 0, "no step was padded"
+
+
+def test_restart_on_the_compile_cache(runs):
+    restart = _ok(runs, "default_on_restart")
+    assert restart["compile_cache_hit"], "the second engine did not load vLLM's compile cache"
+    diff = compare(r3(runs, "isolated"), restart["requests"]["R3"])
+    assert diff["same_tokens"] and diff["max_logprob_diff"] <= LOGPROB_TOL, diff
