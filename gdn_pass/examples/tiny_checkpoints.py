@@ -196,14 +196,36 @@ def write_checkpoint(kind: str, out_dir: str | Path, *, seed: int = 0, scale: fl
     return out
 
 
+def write_tokenizer(out_dir: str | Path, vocab_size: int) -> Path:
+    """A word-level tokenizer whose token ``i`` is the word ``t<i>``, next to a checkpoint.
+
+    For servers, which need a tokenizer to detokenize (``/v1/completions``
+    refuses to run without one); prompts are sent as token ids.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    out = Path(out_dir)
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": "t0", "eos_token": "t1",
+        "model_max_length": 4096}, indent=1))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("kind", choices=sorted(CHECKPOINTS))
     ap.add_argument("out_dir")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--scale", type=float, default=0.2)
+    ap.add_argument("--tokenizer", action="store_true", help="also write a word-level tokenizer")
     args = ap.parse_args()
-    print(write_checkpoint(args.kind, args.out_dir, seed=args.seed, scale=args.scale))
+    out = write_checkpoint(args.kind, args.out_dir, seed=args.seed, scale=args.scale)
+    if args.tokenizer:
+        write_tokenizer(out, CHECKPOINTS[args.kind][0]["vocab_size"])
+    print(out)
 
 
 if __name__ == "__main__":

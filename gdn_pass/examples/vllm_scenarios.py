@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -111,6 +112,7 @@ class StepRecorder:
         self.steps: list[dict] = []
         original = builder_class.build
 
+        @functools.wraps(original)
         def build(builder, *args, **kwargs):  # vLLM 0.26 passes keywords, 0.30 positions
             md = original(builder, *args, **kwargs)
             m = compat.build_inputs(original, builder, args, kwargs)

@@ -263,11 +263,12 @@ def _fields(cls) -> set[str]:
     return set(getattr(cls, "__annotations__", {}))
 
 
-def check_supported(context: BuilderContext) -> None:
+def check_supported(context: BuilderContext, build) -> None:
     """Raise UnsupportedVLLM, naming what is missing, if rows cannot be staged here.
 
     Called when a GDN builder is constructed in an engine that configured
-    GDNStatePass: at engine start, never inside a step.
+    GDNStatePass: at engine start, never inside a step. ``build`` is the
+    builder's own ``build`` (before any wrapper).
     """
     from vllm.v1.attention import backend
     from vllm.v1.attention.backends import gdn_attn
@@ -285,7 +286,7 @@ def check_supported(context: BuilderContext) -> None:
     if not ({"seq_lens_cpu_upper_bound", "seq_lens_cpu", "num_computed_tokens_cpu"} & common_fields
             or hasattr(common, "compute_num_computed_tokens")):
         missing.append("any per-row computed-token count on CommonAttentionMetadata")
-    if "common_attn_metadata" not in inspect.signature(builder_class().build).parameters:
+    if "common_attn_metadata" not in inspect.signature(build).parameters:
         missing.append(f"{builder_class().__name__}.build(common_attn_metadata=...)")
     if not context.layer_names:
         missing.append("the builder's layer names")

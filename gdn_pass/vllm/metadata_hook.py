@@ -55,7 +55,7 @@ def install() -> bool:
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        _on_builder_created(self, original_init, args, kwargs)
+        _on_builder_created(self, original_init, original_build, args, kwargs)
 
     @functools.wraps(original_build)
     def build(self, *args, **kwargs):
@@ -78,7 +78,7 @@ def install() -> bool:
     return True
 
 
-def _on_builder_created(builder, init, args, kwargs) -> None:
+def _on_builder_created(builder, init, build, args, kwargs) -> None:
     """Keep what the builder was given, if this engine asked for the guard.
 
     Unconfigured engines get the one-time warnings and nothing else; no error
@@ -100,7 +100,7 @@ def _on_builder_created(builder, init, args, kwargs) -> None:
         logger.debug("gdn-pass: could not check the compilation mode (%r)", exc)
     if configured:
         context = compat.builder_context(init, builder, args, kwargs)
-        compat.check_supported(context)
+        compat.check_supported(context, build)
         builder.__dict__[_BUILDER_CONTEXT] = context
 
 
