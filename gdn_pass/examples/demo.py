@@ -155,8 +155,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="artifacts/demo")
     ap.add_argument("--kind", default="qwen3_next", help="tiny checkpoint kind (model family)")
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
+                    help="extra vLLM engine argument for every engine, e.g. on vLLM 0.26 without "
+                         "FlashInfer: additional_config='{\"gdn_prefill_backend\": \"triton\"}'")
     args = ap.parse_args()
-    demo = run_demo(Path(args.workdir), kind=args.kind)
+    demo = run_demo(Path(args.workdir), kind=args.kind,
+                    extra_args=tuple(a for item in args.engine_arg for a in ("--engine-arg", item)))
     print()
     print(format_table(demo))
     reports = list(Path(args.workdir, "reports_pass_on").glob("report_*.txt"))

