@@ -34,7 +34,7 @@ ADAPTER_TESTS = ("tests/vllm/test_compat.py", "tests/vllm/test_metadata_hook.py"
 def adapter_tests(python: str) -> str:
     proc = subprocess.run([python, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ADAPTER_TESTS],
                           capture_output=True, text=True)
-    summary = re.findall(r"=+ (.*(?:passed|failed|error).*) in [\d.]+s", proc.stdout)
+    summary = re.findall(r"^=*\s*(\d+ (?:passed|failed).*?) in [\d.]+s", proc.stdout, re.M)
     return summary[-1] if summary else f"pytest exit {proc.returncode}"
 
 

@@ -7,9 +7,11 @@ its place, arguments and mutation semantics, and only its target changes to a
 guarded op with the same schema that zeroes the slots of fresh rows before
 calling the original.
 
-An op is recognised only if its schema has exactly the argument names listed
-here; an op that looks like a GDN/KDA core op but is not listed (a newer
-vLLM, a renamed argument) is reported and left unchanged.
+An op is recognised only if its schema has exactly the argument names the
+vLLM adapter (``gdn_pass.vllm.compat.CORE_OPS``) lists for it; an op that
+looks like a GDN/KDA core op but is not listed (a newer vLLM, a renamed
+argument) is reported and left unchanged, and an engine that configured the
+pass stops at start-up on it.
 """
 
 from __future__ import annotations

@@ -53,10 +53,11 @@ def zero_fresh_state(layer_name: str) -> None:
     rows: StagedRowMetadata | None = getattr(metadata, ROWS_ATTR, None)
     if rows is None:
         raise GuardError(
-            f"no staged gdn-pass rows on {type(metadata).__name__} of {layer_name}: "
-            "the metadata hook is not installed in this process. Install gdn-pass "
-            "(its vllm.general_plugins entry point installs the hook) or call "
-            "gdn_pass.vllm.install() before the engine starts."
+            f"no staged gdn-pass rows on {type(metadata).__name__} of {layer_name}: the "
+            "metadata hook stages rows only in engines whose compilation_config names "
+            "GDNStatePass (inductor_compile_config or inductor_passes) and only where "
+            "gdn-pass is installed (its vllm.general_plugins entry point, or "
+            "gdn_pass.vllm.install() before the engine starts)"
         )
     fresh = rows.fresh_rows()
     table: CacheTable | None = getattr(metadata, CACHES_ATTR, None)

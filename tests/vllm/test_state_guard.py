@@ -48,7 +48,7 @@ def test_only_fresh_slots_are_zeroed(monkeypatch, sentinel):
 def test_missing_hook_is_a_clear_error(monkeypatch):
     layer = poisoned_layer()
     install_context(monkeypatch, layer, SimpleNamespace())
-    with pytest.raises(GuardError, match="metadata hook is not installed"):
+    with pytest.raises(GuardError, match="metadata hook stages rows only in engines whose compilation_config names"):
         zero_fresh_state(layer.prefix)
 
 
