@@ -147,9 +147,14 @@ class BuilderContext:
 _CONSTRUCTOR_ARGS = ("kv_cache_spec", "layer_names", "vllm_config", "device")
 
 
+@functools.cache
+def _signature(function) -> inspect.Signature:
+    return inspect.signature(function)  # once per function: build() runs every step
+
+
 def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
     """Bind a builder constructor call's arguments (positional or keyword)."""
-    bound = inspect.signature(init).bind(builder, *args, **kwargs).arguments
+    bound = _signature(init).bind(builder, *args, **kwargs).arguments
     missing = [name for name in _CONSTRUCTOR_ARGS if name not in bound]
     if missing:
         raise _unsupported(f"{builder_class().__name__}.__init__ takes no {missing}")
@@ -163,7 +168,7 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
 
 def build_inputs(build, builder, args: tuple, kwargs: dict):
     """``common_attn_metadata`` of a ``build`` call, positional (0.30) or keyword (0.26)."""
-    return inspect.signature(build).bind(builder, *args, **kwargs).arguments["common_attn_metadata"]
+    return _signature(build).bind(builder, *args, **kwargs).arguments["common_attn_metadata"]
 
 
 def num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:
