@@ -226,11 +226,9 @@ CORE_OPS: tuple[CoreOp, ...] = (
             "layer_name"), "0.28-0.31", family="kda"),
 )
 
-# Ops we do not know but whose names say they carry GDN/KDA state.
+# Ops we do not know but whose names say they carry GDN/KDA state. No vllm::
+# op of 0.26-0.31 matches without being in CORE_OPS (tests/vllm/test_compat.py).
 LOOKS_LIKE_STATE_OP = re.compile(r"gdn|kda|gated_delta|delta_rule", re.IGNORECASE)
-# vllm:: ops whose names match but that read no state slot: helpers that
-# compute gates or run kernels on tensors the caller passes in.
-NOT_STATE_OPS = frozenset()
 
 
 def _registered_vllm_ops() -> list[str]:
@@ -250,7 +248,7 @@ def core_op_problems() -> list[str]:
         name = qualname.split("::", 1)[1]
         spec = KNOWN_OPAQUE_STATE_OPS.get(qualname)
         if spec is None:
-            if LOOKS_LIKE_STATE_OP.search(name) and qualname not in NOT_STATE_OPS:
+            if LOOKS_LIKE_STATE_OP.search(name):
                 problems.append(f"{qualname} looks like a GDN/KDA core op but gdn-pass does not know it")
             continue
         mismatch = schema_mismatch(getattr(torch.ops.vllm, name).default, spec)
