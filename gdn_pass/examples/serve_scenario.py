@@ -113,7 +113,7 @@ def complete(client, url: str, model: str, prompt: list[int], max_tokens: int) -
     return dict(tokens=[_token_id(t) for t in lp["tokens"]], logprobs=lp["token_logprobs"])
 
 
-def stream(client, url: str, model: str, prompt: list[int], max_tokens: int, on_chunk) -> dict:
+def stream(client, url: str, model: str, prompt: list[int], max_tokens: int) -> dict:
     tokens, logprobs = [], []
     with client.stream("POST", url + "/v1/completions", json=_body(model, prompt, max_tokens, True),
                        timeout=300) as reply:
@@ -124,7 +124,6 @@ def stream(client, url: str, model: str, prompt: list[int], max_tokens: int, on_
             lp = json.loads(line[6:])["choices"][0].get("logprobs") or {}
             tokens += [_token_id(t) for t in lp.get("tokens", [])]
             logprobs += lp.get("token_logprobs", [])
-            on_chunk(len(tokens))
     return dict(tokens=tokens, logprobs=logprobs)
 
 
@@ -146,7 +145,7 @@ def run(model: str, *, pass_by_name: bool, workdir: Path) -> dict:
         r1_thread = threading.Thread(target=lambda: r1.update(
             complete(client, server.url, served, R1_PROMPT, R1_TOKENS)))
         r2_thread = threading.Thread(target=lambda: r2.update(
-            stream(client, server.url, served, R2_PROMPT, R2_TOKENS, lambda n: None)))
+            stream(client, server.url, served, R2_PROMPT, R2_TOKENS)))
         r1_thread.start()
         r2_thread.start()
         r1_thread.join(300)
