@@ -101,7 +101,7 @@ def run_demo(
     results = {}
     for name in RUNS:
         start = time.time()
-        progress(f"running {name} (fresh vLLM engine, compiled) ...")
+        progress(f"running {name} (fresh vLLM engine, {'eager' if '--eager' in extra_args else 'compiled'}) ...")
         scenario, guard = RUNS[name]
         scenario = trigger if scenario == "poisoned" else scenario
         results[name] = run_scenario(scenario, guard, model, workdir, name=name, python=python,

@@ -258,10 +258,13 @@ def main() -> None:
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
         result = run(args.scenario, llm, recorder, r3_prompt)
     cache_config = llm.llm_engine.vllm_config.cache_config
-    from gdn_pass.vllm import metadata_hook
+    from gdn_pass.vllm import metadata_hook, step_guard
 
     result.update(
         plugin_hook_installed=metadata_hook.is_installed(),
+        # which guard owned each GDN group, and what the step guard did (this
+        # process: meaningful with the engine core in process, the default)
+        step_guard=step_guard.activity(),
         mamba_cache_mode=cache_config.mamba_cache_mode,
         enable_prefix_caching=cache_config.enable_prefix_caching,
         scenario=args.scenario, guard=args.guard, compiled=not args.eager,

@@ -47,6 +47,7 @@ __all__ = [
     "builder_context",
     "check_supported",
     "core_op_problems",
+    "engine_compiles",
     "inductor_pass_base",
     "num_computed_tokens",
     "pad_slot_ids",
@@ -169,6 +170,21 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
 def build_inputs(build, builder, args: tuple, kwargs: dict):
     """``common_attn_metadata`` of a ``build`` call, positional (0.30) or keyword (0.26)."""
     return _signature(build).bind(builder, *args, **kwargs).arguments["common_attn_metadata"]
+
+
+def engine_compiles(vllm_config) -> bool:
+    """Does this engine run its model through a compiled graph (a place for twins)?
+
+    False for ``enforce_eager=True`` and for compilation mode NONE (``mode`` in
+    0.26-0.31; ``level`` in older releases), which some architectures force.
+    """
+    if getattr(vllm_config.model_config, "enforce_eager", False):
+        return False
+    cc = vllm_config.compilation_config
+    mode = getattr(cc, "mode", None)
+    if mode is None:
+        mode = getattr(cc, "level", 0)
+    return int(mode or 0) != 0
 
 
 def num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:

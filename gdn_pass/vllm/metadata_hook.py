@@ -11,7 +11,9 @@ gets ``has_initial_state=None``), so the rows are derived from the scheduler's
 for the builder's non-speculative rows, in the order of
 ``non_spec_state_indices_tensor``. The rows live in one ``StagedRowMetadata``
 per builder (persistent buffers, refreshed in place) and are attached to the
-built metadata, where the guarded ops find them.
+built metadata, where the guarded ops find them. Where no guarded op covers
+every layer of the builder's group (eager engines, reads behind no op), the
+hook zeroes the fresh slots itself right after the build (``step_guard``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import functools
 import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
-from gdn_pass.vllm import compat
+from gdn_pass.vllm import compat, step_guard
 from gdn_pass.vllm.state_guard import CACHES_ATTR, ROWS_ATTR
 from gdn_pass.vllm.zero_rows import CacheTable
 
@@ -33,6 +35,7 @@ _MARK = "__gdn_pass_wrapped__"
 _BUILDER_CONTEXT = "_gdn_pass_context"
 _BUILDER_ROWS = "_gdn_pass_rows"
 _BUILDER_TABLE = "_gdn_pass_cache_table"
+_BUILDER_OWNER = "_gdn_pass_owner"
 _warned: set[str] = set()
 
 
@@ -67,9 +70,14 @@ def install() -> bool:
         rows = self.__dict__.get(_BUILDER_ROWS)
         if rows is None:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
-        stage_rows(rows, common, metadata)
+        host_fresh = stage_rows(rows, common, metadata)
+        caches = _group_caches(context)
+        table = _group_cache_table(self, context, caches)
         setattr(metadata, ROWS_ATTR, rows)
-        setattr(metadata, CACHES_ATTR, _group_cache_table(self, context))
+        setattr(metadata, CACHES_ATTR, table)
+        if _owner(self, context) is step_guard.Owner.STEP:
+            step_guard.zero_group(caches, table, rows, host_fresh)
+            setattr(metadata, step_guard.ZEROED_ATTR, True)
         return metadata
 
     setattr(build, _MARK, True)
@@ -104,19 +112,41 @@ def _on_builder_created(builder, init, build, args, kwargs) -> None:
         builder.__dict__[_BUILDER_CONTEXT] = context
 
 
-def _group_cache_table(builder, context: compat.BuilderContext) -> CacheTable | None:
-    """The state caches of every layer this builder serves, as one table (CUDA).
+def _owner(builder, context: compat.BuilderContext) -> step_guard.Owner:
+    """Which guard zeroes this group's fresh slots: decided at the first build, then fixed."""
+    owner = builder.__dict__.get(_BUILDER_OWNER)
+    if owner is None:
+        owner = builder.__dict__[_BUILDER_OWNER] = step_guard.decide_owner(
+            context.layer_names, compiled=compat.engine_compiles(context.vllm_config))
+        uncovered = sorted(set(context.layer_names) - step_guard.twin_layers())
+        logger.info(
+            "gdn-pass: %d GDN layer(s) of this group guarded %s%s", len(context.layer_names),
+            "by the guarded core ops in the compiled graph" if owner is step_guard.Owner.GRAPH
+            else "at metadata build (one zeroing launch per step with fresh rows)",
+            f"; no guarded core op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
+            if owner is step_guard.Owner.STEP and uncovered else "")
+    return owner
+
+
+def _group_caches(context: compat.BuilderContext) -> list[torch.Tensor]:
+    """Every state tensor (conv, recurrent, ...) of every layer this builder serves."""
+    forward_context = context.vllm_config.compilation_config.static_forward_context
+    caches = []
+    for name in context.layer_names:
+        kv_cache = getattr(forward_context.get(name), "kv_cache", None) or ()
+        caches.extend(t for t in kv_cache if isinstance(t, torch.Tensor) and t.numel())
+    return caches
+
+
+def _group_cache_table(builder, context: compat.BuilderContext,
+                       caches: list[torch.Tensor]) -> CacheTable | None:
+    """The group's state caches as one table, for one zeroing launch (CUDA).
 
     Built here, outside CUDA-graph capture, and kept while the caches stay
     where they are (vLLM allocates them once; profiling runs have none yet).
     """
     if context.device.type != "cuda":
         return None
-    forward_context = context.vllm_config.compilation_config.static_forward_context
-    caches = []
-    for name in context.layer_names:
-        kv_cache = getattr(forward_context.get(name), "kv_cache", None) or ()
-        caches.extend(t for t in kv_cache if isinstance(t, torch.Tensor) and t.numel())
     table = builder.__dict__.get(_BUILDER_TABLE)
     if table is None or table.key != CacheTable.key_of(caches):
         table = builder.__dict__[_BUILDER_TABLE] = CacheTable.build(caches) if caches else None
@@ -133,13 +163,17 @@ def _new_rows(builder, context: compat.BuilderContext) -> StagedRowMetadata:
     return StagedRowMetadata(max_rows, device=context.device, pad_slot_ids=compat.pad_slot_ids())
 
 
-def stage_rows(rows: StagedRowMetadata, common, metadata) -> None:
-    """Refresh ``rows`` for one step from vLLM's common and GDN metadata."""
+def stage_rows(rows: StagedRowMetadata, common, metadata) -> int:
+    """Refresh ``rows`` for one step from vLLM's common and GDN metadata.
+
+    Returns the number of fresh rows as the host sees them (an upper bound of
+    the staged ``fresh``: it does not know padding sentinels), without a sync.
+    """
     slots = metadata.non_spec_state_indices_tensor
     if slots is None:  # all rows are speculative decodes: every row has state
         empty = torch.zeros(0, dtype=torch.int64)
         rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
-        return
+        return 0
     num_reqs = common.num_reqs
     query_lens = common.query_start_loc_cpu[1 : num_reqs + 1] - common.query_start_loc_cpu[:num_reqs]
     computed = compat.num_computed_tokens(common, query_lens)
@@ -153,29 +187,22 @@ def stage_rows(rows: StagedRowMetadata, common, metadata) -> None:
             "not supported by gdn-pass"
         )
     rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots)
+    return int(((computed == 0) & (query_lens > 0)).sum())
 
 
 def _warn_about_mode(vllm_config, configured: bool) -> None:
-    """Say once per process when the guard cannot act in this engine."""
+    """Say once per process when the plugin is installed but not asked to guard."""
     from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
-    cc = vllm_config.compilation_config
-    mode = int(getattr(cc, "mode", 0) or 0)
-    if mode == 0 or getattr(vllm_config.model_config, "enforce_eager", False):
-        _warn_once(
-            "eager",
-            "this engine runs without compilation (enforce_eager=True or "
-            "compilation mode NONE), so there is no graph to guard: a fresh one-token "
-            "request scheduled next to decodes can still read a recycled state slot "
-            "(vllm#51562). Enable compilation to get the fix.",
-        )
-    elif not configured:
+    if not configured:
         _warn_once(
             "unconfigured",
             "plugin installed but GDNStatePass is not in "
             "compilation_config['inductor_compile_config']['post_grad_custom_post_pass'] "
             "(or 'joint_custom_post_pass', or compilation_config['inductor_passes'] as "
-            f"{SERVE_PASS!r}); GDN state reads are not guarded.",
+            f"{SERVE_PASS!r}); GDN state reads are not guarded"
+            + (" (this engine runs eagerly: the same line switches on the guard at "
+               "metadata build)." if not compat.engine_compiles(vllm_config) else "."),
         )
 
 

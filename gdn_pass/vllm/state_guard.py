@@ -9,7 +9,9 @@ forward context, exactly as the original op finds its caches.
         cache[rows.state_slot[fresh]] = 0     # on CUDA: sync-free Triton, capturable
 
 On CUDA the first guarded layer of a step zeroes the fresh slots of every GDN
-layer that shares its metadata, in one launch; the others skip.
+layer that shares its metadata, in one launch; the others skip. Where the
+metadata hook's step guard owns the group (``step_guard``), the slots were
+zeroed at build time and the twin does nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm.step_guard import ZEROED_ATTR, note_twin_layer
 from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all
 
 __all__ = ["ROWS_ATTR", "CACHES_ATTR", "GuardError", "zero_fresh_state"]
@@ -37,6 +40,7 @@ class GuardError(RuntimeError):
 def zero_fresh_state(layer_name: str) -> None:
     from vllm.forward_context import get_forward_context
 
+    note_twin_layer(layer_name)  # first in vLLM's profiling / warm-up forward
     context = get_forward_context()
     all_metadata = context.attn_metadata
     if all_metadata is None:  # profiling / dummy run: the op itself does nothing
@@ -59,6 +63,8 @@ def zero_fresh_state(layer_name: str) -> None:
             "gdn-pass is installed (its vllm.general_plugins entry point, or "
             "gdn_pass.vllm.install() before the engine starts)"
         )
+    if getattr(metadata, ZEROED_ATTR, False):  # the step guard owns this group
+        return
     fresh = rows.fresh_rows()
     table: CacheTable | None = getattr(metadata, CACHES_ATTR, None)
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:

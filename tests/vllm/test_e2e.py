@@ -54,14 +54,47 @@ def test_the_compiled_graph_was_rewritten_once_per_gdn_layer(demo):
     assert "guarded 3 state read(s) (vllm::cpu_gdn_attention_core x3)" in log
 
 
-def test_eager_engine_warns_once_that_nothing_is_guarded(engine_dir, qwen3_next_checkpoint):
-    result = run_scenario("isolated", "off", qwen3_next_checkpoint, engine_dir / "eager",
-                          eager=True, python=sys.executable)
-    log = open(result["log"]).read()
-    assert log.count("runs without compilation") == 1, log[-2000:]
-    assert "vllm#51562" in log
-    record("qwen3_next", "enforce_eager", status="note", cell="warned, not fixed",
-           detail="no graph to rewrite: the plugin warns once that vllm#51562 stays open")
+def test_compiled_engine_leaves_the_zeroing_to_the_guarded_ops(demo):
+    """The graph guard owns every group; the step guard never zeroes a slot a twin zeroes."""
+    on = demo["results"]["pass_on"]["step_guard"]
+    assert set(on["owners"]) == {f"model.layers.{i}.linear_attn" for i in range(GDN_LAYERS)}
+    assert set(on["owners"].values()) == {"graph"}, on
+    assert on["steps_zeroed"] == 0, on
+
+
+# No graph to rewrite: enforce_eager=True (the bug report's own reproduction),
+# and compilation mode NONE without it. The same configuration line switches on
+# the step guard, which zeroes fresh slots when the step's metadata is built.
+NO_GRAPH_MODES = {
+    "enforce_eager": ("--eager",),
+    "compilation mode NONE": ("--compilation-arg", "mode=0"),
+}
+
+
+@pytest.mark.parametrize("kind, mode", [("qwen3_next", "enforce_eager"), ("qwen3_5", "enforce_eager"),
+                                        ("qwen3_next", "compilation mode NONE")])
+def test_engine_without_a_graph_is_fixed_at_metadata_build(kind, mode, engine_dir):
+    from gdn_pass.examples.demo import run_demo
+
+    demo = run_demo(engine_dir / f"no_graph_{kind}_{mode.split()[-1]}", kind=kind, python=sys.executable,
+                    progress=lambda msg: None, extra_args=NO_GRAPH_MODES[mode])
+    s, off, on = demo["summary"], demo["results"]["pass_off"], demo["results"]["pass_on"]
+    record(kind, mode, status="e2e", reproduced=not s["r3_pass_off_vs_isolated"]["matches"],
+           fixed=s["r3_pass_on_vs_isolated"]["matches"],
+           r2_unchanged=s["r2_pass_on_vs_pass_off"]["same_tokens"],
+           fresh_decode_steps=off["fresh_decode_steps"], guard="step guard (metadata build)")
+    assert off["fresh_decode_steps"] > 0, "the scenario never admitted a fresh row as a decode"
+    assert not s["r3_pass_off_vs_isolated"]["matches"], "without the guard R3 must read stale state"
+    assert s["r3_pass_on_vs_isolated"]["same_tokens"], s["r3_pass_on_vs_isolated"]
+    assert s["r3_pass_on_vs_isolated"]["max_logprob_diff"] <= LOGPROB_TOL
+    assert s["r2_pass_on_vs_pass_off"]["same_tokens"], s["r2_pass_on_vs_pass_off"]
+    assert s["r2_pass_on_vs_pass_off"]["max_logprob_diff"] == 0.0
+    assert set(on["step_guard"]["owners"].values()) == {"step"}, on["step_guard"]
+    assert on["step_guard"]["steps_zeroed"] > 0
+    assert off["step_guard"] == {"owners": {}, "steps_zeroed": 0, "zeroings": 0}, "unconfigured: hands off"
+    assert not gdn_pass.load_reports(on["report_dir"]), "no graph, so the graph pass never ran"
+    log = open(off["log"]).read()
+    assert log.count("GDN state reads are not guarded") == 1, log[-2000:]
 
 
 def test_fixed_with_engine_core_in_its_own_process(engine_dir, qwen3_next_checkpoint, demo):

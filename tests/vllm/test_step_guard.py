@@ -1,0 +1,173 @@
+"""The step guard: fresh slots zeroed at metadata build where no compiled graph guards them.
+
+A real GDN builder, wrapped by the metadata hook, serves three layers whose
+poisoned caches sit in the static forward context. Each case says which guard
+owns the group (eager engine, compiled with every layer behind a guarded twin,
+compiled with a layer no twin reaches) and checks, on poisoned caches, that
+every fresh slot is zeroed exactly once per step, by exactly one guard, and
+nothing else is touched.
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import vllm.forward_context
+from gdn_pass.vllm import step_guard, state_guard
+from gdn_pass.vllm.step_guard import Owner
+
+from test_metadata_hook import bug_step, common_metadata
+
+LAYERS = [f"model.layers.{i}.linear_attn" for i in range(3)]
+NUM_SLOTS = 8
+FRESH_SLOT = 4  # bug_step(): rows on blocks 3, 4, 5; row 1 is brand new
+
+
+def poisoned_layer(prefix):
+    conv = torch.full((NUM_SLOTS, 3, 8), float("nan"), dtype=torch.bfloat16)
+    ssm = torch.full((NUM_SLOTS, 2, 4, 4), 6.0)
+    return SimpleNamespace(prefix=prefix, kv_cache=[conv, ssm])
+
+
+@pytest.fixture
+def twins(monkeypatch):
+    """A fresh registry of layers that guarded twins ran for, in this test only."""
+    registry: set[str] = set()
+    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", registry)
+    return registry
+
+
+@pytest.fixture
+def zero_calls(monkeypatch):
+    """Every zeroing call, from either guard: (who, cache address)."""
+    calls = []
+    for module, who in ((step_guard, "step"), (state_guard, "twin")):
+        original = module.zero_rows
+
+        def counted(cache, slot, fresh, _original=original, _who=who):
+            calls.append((_who, cache.data_ptr()))
+            return _original(cache, slot, fresh)
+
+        monkeypatch.setattr(module, "zero_rows", counted)
+    return calls
+
+
+def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names=LAYERS):
+    """A configured GDN builder over poisoned layers, and the layers."""
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from gdn_pass.vllm import GDNStatePass, metadata_hook
+    from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    monkeypatch.setattr(qwen_gdn_linear_attn, "_resolve_gdn_prefill_backend",
+                        lambda cfg: ("triton", "triton"), raising=False)
+    metadata_hook.install()
+    cc = CompilationConfig(mode=3 if compiled else 0,
+                           inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()})
+    config = VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
+    layers = {name: new_layer(name) for name in layer_names}
+    config.compilation_config.static_forward_context.update(layers)
+    spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
+    builder = GDNAttentionMetadataBuilder(spec, list(layer_names), config, torch.device("cpu"))
+    return builder, layers
+
+
+def forward(monkeypatch, layers, metadata, covered):
+    """The model's forward: a guarded twin runs for each layer in ``covered``."""
+    context = SimpleNamespace(no_compile_layers=layers, attn_metadata={n: metadata for n in layers})
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    for name in covered:
+        state_guard.zero_fresh_state(name)
+
+
+def warm_up(monkeypatch, layers, covered):
+    """vLLM's profiling / warm-up forward: no metadata, the twins only note their layer."""
+    context = SimpleNamespace(no_compile_layers=layers, attn_metadata=None)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    for name in covered:
+        state_guard.zero_fresh_state(name)
+
+
+def assert_only_fresh_slot_zeroed(layers):
+    for layer in layers.values():
+        for cache in layer.kv_cache:
+            assert cache[FRESH_SLOT].eq(0).all()
+            others = [s for s in range(NUM_SLOTS) if s != FRESH_SLOT]
+            assert (cache[others].isnan() | cache[others].eq(6.0)).all(), "a non-fresh slot changed"
+
+
+def caches_of(layers):
+    return sorted(t.data_ptr() for layer in layers.values() for t in layer.kv_cache)
+
+
+def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, twins, zero_calls):
+    builder, layers = engine(monkeypatch, compiled=False)
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
+    assert getattr(metadata, step_guard.ZEROED_ATTR)
+    assert_only_fresh_slot_zeroed(layers)  # before any layer runs
+    assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers)
+    assert {who for who, _ in zero_calls} == {"step"}
+
+
+def test_compiled_engine_with_every_layer_behind_a_twin_leaves_it_to_the_twins(
+        monkeypatch, twins, zero_calls):
+    builder, layers = engine(monkeypatch, compiled=True)
+    warm_up(monkeypatch, layers, covered=LAYERS)
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    assert builder.__dict__["_gdn_pass_owner"] is Owner.GRAPH
+    assert not zero_calls, "the step guard acted although the twins own the group"
+    assert layers[LAYERS[0]].kv_cache[1][FRESH_SLOT].eq(6.0).all()
+    forward(monkeypatch, layers, metadata, covered=LAYERS)
+    assert_only_fresh_slot_zeroed(layers)
+    assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers)
+    assert {who for who, _ in zero_calls} == {"twin"}
+
+
+def test_compiled_engine_with_a_layer_no_twin_reaches_is_guarded_at_build(
+        monkeypatch, twins, zero_calls):
+    """Kimi-Linear's layout in vLLM 0.27+: one layer reads its state in plain Python."""
+    builder, layers = engine(monkeypatch, compiled=True)
+    warm_up(monkeypatch, layers, covered=LAYERS[:2])
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
+    forward(monkeypatch, layers, metadata, covered=LAYERS[:2])  # the twins find it done
+    assert_only_fresh_slot_zeroed(layers)
+    assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a slot zeroed twice or never"
+    assert {who for who, _ in zero_calls} == {"step"}
+
+
+def test_step_without_fresh_rows_launches_nothing(monkeypatch, twins, zero_calls):
+    builder, layers = engine(monkeypatch, compiled=False)
+    decodes = common_metadata([9, 4, 30], [1, 1, 1])
+    import dataclasses
+
+    decodes = dataclasses.replace(decodes, block_table_tensor=torch.tensor([[3], [4], [5]], dtype=torch.int32))
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=decodes)
+    assert getattr(metadata, step_guard.ZEROED_ATTR)
+    assert not zero_calls
+    assert layers[LAYERS[0]].kv_cache[1].eq(6.0).all()
+
+
+def test_owner_is_fixed_at_the_first_build(monkeypatch, twins, zero_calls):
+    """A CUDA graph captured under one owner is replayed under it: no later switch."""
+    builder, layers = engine(monkeypatch, compiled=True)
+    builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # no twin has run yet
+    warm_up(monkeypatch, layers, covered=LAYERS)
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
+    assert getattr(metadata, step_guard.ZEROED_ATTR)
+
+
+def test_decide_owner():
+    step_guard._TWIN_LAYERS.add("covered.layer")
+    try:
+        assert step_guard.decide_owner(["covered.layer"], compiled=True) is Owner.GRAPH
+        assert step_guard.decide_owner(["covered.layer"], compiled=False) is Owner.STEP
+        assert step_guard.decide_owner(["covered.layer", "python.layer"], compiled=True) is Owner.STEP
+        assert step_guard.decide_owner([], compiled=True) is Owner.STEP
+    finally:
+        step_guard._TWIN_LAYERS.discard("covered.layer")
