@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -30,12 +27,8 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared
 
 from gdn_pass.examples.demo import compare  # noqa: E402
 from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from vllm_engines import LOGPROB_TOL, scenario  # noqa: E402
 
-ENGINE = [  # what vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md)
-    "kv_cache_memory_bytes=268435456",
-    "gpu_memory_utilization=0.05",
-    'additional_config={"gdn_prefill_backend": "triton"}',
-]
 MODES = {  # mode: compilation-config entries
     "default": [],  # VLLM_COMPILE, FULL_AND_PIECEWISE; GDN core ops are splitting ops
     "full": ["cudagraph_mode=FULL"],
@@ -46,44 +39,6 @@ MODES = {  # mode: compilation-config entries
 }
 # GDN_PASS_GPU_MODES=default,full runs a subset (a device call lasts 10 minutes).
 SELECTED_MODES = [m for m in os.environ.get("GDN_PASS_GPU_MODES", ",".join(MODES)).split(",") if m]
-ENGINE_TIMEOUT_S = int(os.environ.get("GDN_PASS_GPU_ENGINE_TIMEOUT_S", "540"))
-# R3 alone vs R3 next to R2 with the pass, in one mode: same tokens, and
-# logprobs equal up to bf16 rounding of a different batch.
-LOGPROB_TOL = 1e-2
-
-
-def _scenario(name, scenario, guard, model, workdir, compilation=(), env_extra=None, extra=()):
-    out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "gdn_pass.examples.vllm_scenarios", scenario, "--model", str(model),
-           "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
-    cmd += [a for item in ENGINE for a in ("--engine-arg", item)]
-    cmd += [a for item in compilation for a in ("--compilation-arg", item)]
-    cmd += list(extra)
-    # Each engine compiles cold in caches of its own, so the pass runs in each
-    # (tests/vllm's conftest, if collected too, turns the compile caches off).
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1",
-               VLLM_DISABLE_COMPILE_CACHE="0", TORCHINDUCTOR_COMPILE_THREADS="1",
-               VLLM_CACHE_ROOT=str(workdir / f"cache_{name}"),
-               TORCHINDUCTOR_CACHE_DIR=str(workdir / f"cache_{name}" / "inductor"))
-    for var in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        env.pop(var, None)
-    env.update(env_extra or {})
-    start = time.time()
-    with open(log, "w") as f:
-        try:
-            returncode = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                        timeout=ENGINE_TIMEOUT_S).returncode
-        except subprocess.TimeoutExpired:
-            returncode = f"timeout after {ENGINE_TIMEOUT_S}s"
-    text = log.read_text()
-    if returncode != 0:
-        return dict(name=name, error=f"exit {returncode}", log_tail=text[-4000:])
-    result = json.loads(out.read_text())
-    reports = workdir / f"reports_{name}"
-    result.update(name=name, wall_s=round(time.time() - start, 1),
-                  pass_reports=len(list(reports.glob("*.json"))) if reports.exists() else 0,
-                  compile_cache_hit="Directly load" in text)
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -103,14 +58,14 @@ def runs(tmp_path_factory) -> dict:
     if "default" in modes:  # the form `vllm serve` takes: inductor_passes by qualified name
         cases["default_on_by_name"] = ("poisoned", "on", MODES["default"], ["--pass-by-name"])
     with ThreadPoolExecutor(len(cases)) as pool:
-        futures = {name: pool.submit(_scenario, name, *case[:2], model, workdir, case[2],
+        futures = {name: pool.submit(scenario, name, *case[:2], model, workdir, case[2],
                                      extra=case[3] if len(case) > 3 else ())
                    for name, case in cases.items()}
         results = {name: f.result() for name, f in futures.items()}
     # A second pass-on engine on the compile cache the first default one wrote.
     if "default" in modes:
         cache = workdir / "cache_default_on"
-        results["default_on_restart"] = _scenario(
+        results["default_on_restart"] = scenario(
             "default_on_restart", "poisoned", "on", model, workdir, MODES["default"],
             env_extra={"VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")})
     out = os.environ.get("GDN_PASS_GPU_RESULTS")
