@@ -71,6 +71,9 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     from vllm import LLM
 
     load_model_classes_in_process(model)
+    from gdn_pass.examples.families import prepare_engine_process
+
+    prepare_engine_process(model)  # what this vLLM needs to load the tiny checkpoint
     compilation_config: dict = dict(compilation or {})
     if guard and pass_by_name:
         from gdn_pass.vllm.gdn_state_pass import SERVE_PASS

@@ -25,12 +25,64 @@ E2E_FAMILIES = (
     "kimi_linear",
 )
 
+_NO_MM = ("--engine-arg", 'limit_mm_per_prompt={"image": 0, "video": 0}')
+
 # Engine arguments a family needs on top of the scenario's.
 FAMILY_ENGINE_ARGS: dict[str, tuple[str, ...]] = {
     # Multimodal: without a tokenizer (skip_tokenizer_init) vLLM cannot build
     # the image processor; text-only requests need none.
-    "interns2_mobius": ("--engine-arg", 'limit_mm_per_prompt={"image": 0, "video": 0}'),
+    "interns2_mobius": _NO_MM,
+    "qwen3_5_vl": _NO_MM,
+    "qwen3_5_moe_vl": _NO_MM,
+    # the MTP checkpoints also need speculative_config={"method": "mtp", ...}
+    "qwen3_5_mtp": _NO_MM,
+    "qwen3_5_moe_mtp": _NO_MM,
 }
+
+# The first vLLM release whose model registry has the kind's architecture,
+# where that is later than 0.26 (the CUDA release this project runs). vLLM
+# 0.26 has neither InternS2-Mobius nor Bailing-MoE-v3, and has the text-only
+# Qwen3.5 classes but does not register them (nor their ``qwen3_5_text``
+# config types).
+FIRST_VLLM: dict[str, tuple[int, int]] = {
+    "qwen3_5": (0, 27),
+    "qwen3_5_moe": (0, 27),
+    "interns2_mobius": (0, 28),
+    "bailing_moe_v3": (0, 28),
+}
+
+# Where a kind cannot load, the checkpoint of the same family that can: the
+# released (multimodal) Qwen3.5 layout, which vLLM 0.26 to 0.30 all load.
+SAME_FAMILY: dict[str, str] = {"qwen3_5": "qwen3_5_vl", "qwen3_5_moe": "qwen3_5_moe_vl"}
+
+
+def kind_for_vllm(kind: str, vllm_version: str) -> str | None:
+    """The checkpoint kind to run for ``kind`` on ``vllm_version``; None if the family is absent there."""
+    release = tuple(int(part) for part in vllm_version.split(".")[:2])
+    if release >= FIRST_VLLM.get(kind, (0, 0)):
+        return kind
+    other = SAME_FAMILY.get(kind)
+    return other if other is not None and release >= FIRST_VLLM.get(other, (0, 0)) else None
+
+
+def prepare_engine_process(model: str) -> list[str]:
+    """Fix what the installed vLLM needs to load the checkpoint in ``model``; the fixes applied.
+
+    Call it in the process that builds the model, before the engine starts.
+    Today: OLMo-hybrid's fused short-convolution loader (vllm PR #55858, see
+    :mod:`.olmo_hybrid`), which no vLLM up to 0.30 can load otherwise.
+    """
+    import json
+    from pathlib import Path
+
+    architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures", [])
+    applied = []
+    if "OlmoHybridForCausalLM" in architectures:
+        from gdn_pass.examples.families.olmo_hybrid import fix_fused_conv1d_weight_loader
+
+        if fix_fused_conv1d_weight_loader():
+            applied.append("olmo_hybrid fused conv1d loader (vllm#55858)")
+    return applied
 
 # kind -> a substring of the error vLLM 0.30's CPU backend raises for it (found
 # in the failed engine's log). The e2e test skips with that error and fails on

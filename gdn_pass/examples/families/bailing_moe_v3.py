@@ -15,6 +15,12 @@ Config choices that matter:
     (which must be true), names the HF config does not define; they are kept
     as extra config attributes.
   * checkpoint names use ``.attention.``; vLLM maps them to ``.self_attn.``.
+
+vLLM registers ``BailingMoeV3ForCausalLM`` from 0.28 on; 0.26 (CUDA) does not
+have it. 0.26's Bailing linear-attention model is ``BailingMoeV2_5ForCausalLM``
+(``bailing_moe_linear.py``): Lightning-style linear attention (no delta rule,
+no conv) behind ``vllm::linear_attention``, on ``LinearAttentionMetadataBuilder``
+(``v1/attention/backends/linear_attn.py``), not on the GDN builder.
 """
 
 from __future__ import annotations
@@ -36,12 +42,13 @@ BAILING_MOE_V3_CONFIG = {
     "no_kda_lora": True,
     "kda_safe_gate": True,
     "kda_lower_bound": -5.0,
-    # MLA (layer 3), no q-LoRA
+    # MLA (layer 3), no q-LoRA; DeepSeek-V3's dims, the only ones every CUDA
+    # MLA backend takes (see kimi_linear.py)
     "q_lora_rank": None,
-    "kv_lora_rank": 256,  # + qk_rope_head_dim = 320, a head size vLLM's MLA accepts
-    "qk_nope_head_dim": 32,
+    "kv_lora_rank": 512,  # + qk_rope_head_dim = 576, the MLA cache's head size
+    "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
-    "v_head_dim": 32,
+    "v_head_dim": 128,
     "gated_attention_proj_granularity_type": None,
     # MoE on every layer but the first
     "first_k_dense_replace": 1,

@@ -18,6 +18,12 @@ Tensor names are those of the Hugging Face checkpoint as vLLM maps them
 ``Qwen3_5Model.hf_to_vllm_mapper``). The vision tower is built by vLLM
 unless every modality's prompt limit is 0, so it is present but tiny
 (depth 1, hidden 32).
+
+vLLM registers ``InternS2MobiusForConditionalGeneration`` from 0.28 on; 0.26
+(CUDA) does not have it. Its nearest relative there,
+``InternS2PreviewForConditionalGeneration``, is a plain
+``Qwen3_5MoeForConditionalGeneration`` (the ``qwen3_5_moe_vl`` checkpoint's
+model, GDN core ``vllm::qwen_gdn_attention_core``).
 """
 
 from __future__ import annotations
@@ -61,26 +67,11 @@ _TEXT_CONFIG = {
     "eos_token_id": 2,
 }
 
-_VISION_CONFIG = {
-    "depth": 1,
-    "hidden_size": 32,
-    "hidden_act": "gelu_pytorch_tanh",
-    "intermediate_size": 64,
-    "num_heads": 2,
-    "in_channels": 3,
-    "patch_size": 16,
-    "spatial_merge_size": 2,
-    "temporal_patch_size": 2,
-    "out_hidden_size": 256,  # = text hidden_size
-    "num_position_embeddings": 16,
-    "deepstack_visual_indexes": [],
-}
-
 INTERNS2_MOBIUS_CONFIG = {
     "architectures": ["InternS2MobiusForConditionalGeneration"],
     "model_type": "qwen3_5_moe",
     "text_config": _TEXT_CONFIG,
-    "vision_config": _VISION_CONFIG,
+    "vision_config": qwen_layers.VISION_CONFIG,
     # Special tokens at the top of the vocabulary, away from the prompt ids.
     "image_token_id": 1020,
     "video_token_id": 1021,
@@ -89,36 +80,6 @@ INTERNS2_MOBIUS_CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
 }
-
-
-def _vision_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    d, inter, out = c["hidden_size"], c["intermediate_size"], c["out_hidden_size"]
-    merged = d * c["spatial_merge_size"] ** 2
-    v = "model.visual"
-    yield f"{v}.patch_embed.proj.weight", (d, c["in_channels"], c["temporal_patch_size"],
-                                           c["patch_size"], c["patch_size"])
-    yield f"{v}.patch_embed.proj.bias", (d,)
-    yield f"{v}.pos_embed.weight", (c["num_position_embeddings"], d)
-    for i in range(c["depth"]):
-        b = f"{v}.blocks.{i}"
-        for norm in ("norm1", "norm2"):
-            yield f"{b}.{norm}.weight", (d,)
-            yield f"{b}.{norm}.bias", (d,)
-        yield f"{b}.attn.qkv.weight", (3 * d, d)
-        yield f"{b}.attn.qkv.bias", (3 * d,)
-        yield f"{b}.attn.proj.weight", (d, d)
-        yield f"{b}.attn.proj.bias", (d,)
-        yield f"{b}.mlp.linear_fc1.weight", (inter, d)
-        yield f"{b}.mlp.linear_fc1.bias", (inter,)
-        yield f"{b}.mlp.linear_fc2.weight", (d, inter)
-        yield f"{b}.mlp.linear_fc2.bias", (d,)
-    m = f"{v}.merger"
-    yield f"{m}.norm.weight", (d,)  # pre-shuffle norm: over the unmerged width
-    yield f"{m}.norm.bias", (d,)
-    yield f"{m}.linear_fc1.weight", (merged, merged)
-    yield f"{m}.linear_fc1.bias", (merged,)
-    yield f"{m}.linear_fc2.weight", (out, merged)
-    yield f"{m}.linear_fc2.bias", (out,)
 
 
 def _interns2_mobius_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -141,7 +102,7 @@ def _interns2_mobius_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...
             yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
         # per-layer shared expert only; routed experts are in meta_mlp
         yield from qwen_layers.shared_expert(f"{p}.mlp", c)
-    yield from _vision_tensors(config["vision_config"])
+    yield from qwen_layers.vision_tower("model.visual", config["vision_config"])
 
 
 CHECKPOINTS = {"interns2_mobius": (INTERNS2_MOBIUS_CONFIG, _interns2_mobius_tensors)}

@@ -12,6 +12,19 @@ Checkpoint names follow the Hugging Face Kimi-Linear release: q/k/v/b/f_a
 projections and q/k/v short convolutions are stacked by vLLM's loader, routed
 experts are ``w1``/``w2``/``w3`` under ``block_sparse_moe``, and ``A_log`` has
 the released ``(1, 1, heads, 1)`` shape.
+
+vLLM 0.26 (CUDA) builds ``KimiLinearForCausalLM`` from
+``model_executor/models/kimi_linear.py`` instead: the same checkpoint names
+(q/k/v/conv loaded unstacked), ``@support_torch_compile``, and the KDA state
+read inside the opaque op ``vllm::kda_attention``. The MLA dims are the ones
+its backends accept: on Hopper the only MLA prefill backend is FlashAttention
+(``v1/attention/backends/mla/prefill/flash_attn.py``), which takes
+(qk_nope, qk_rope, v) = (128, 64, 128), (192, 64, 256) or (64, 64, 128) and
+nothing else ("No valid MLA prefill backend" otherwise; the same list in
+0.27-0.30); the MLA cache head size (kv_lora_rank + qk_rope) must be 320 or
+576, and the sparse / FlashInfer backends take only 576. (128, 64, 128) with
+kv_lora_rank 512 is DeepSeek-V3's layout, which every backend supports, FA4 on
+Blackwell included.
 """
 
 from __future__ import annotations
@@ -38,12 +51,14 @@ KIMI_LINEAR_CONFIG = {
         "head_dim": 64,
         "short_conv_kernel_size": 4,
     },
-    # MLA (layer 3): NoPE, full-rank q
+    # MLA (layer 3): NoPE, full-rank q. DeepSeek-V3's (and the released
+    # Kimi-Linear's) dims: the only ones every MLA backend takes (see the
+    # module docstring).
     "q_lora_rank": None,
-    "kv_lora_rank": 256,  # + qk_rope_head_dim = 320, a head size vLLM's MLA accepts
-    "qk_nope_head_dim": 32,
+    "kv_lora_rank": 512,  # + qk_rope_head_dim = 576, the MLA cache's head size
+    "qk_nope_head_dim": 128,
     "qk_rope_head_dim": 64,
-    "v_head_dim": 32,
+    "v_head_dim": 128,
     "mla_use_nope": True,
     "mla_use_output_gate": False,
     # MoE on every layer but the first

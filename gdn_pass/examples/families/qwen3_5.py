@@ -1,9 +1,31 @@
-"""Tiny Qwen3.5 checkpoints, dense (``Qwen3_5ForCausalLM``) and MoE (``Qwen3_5MoeForCausalLM``).
+"""Tiny Qwen3.5 checkpoints, dense and MoE, in two layouts.
 
-Text-only variants: ``model_type`` is ``qwen3_5_text`` / ``qwen3_5_moe_text``
-(vLLM's ``Qwen3_5TextConfig`` / ``Qwen3_5MoeTextConfig``), so there is no
-``text_config`` nesting and no vision tower. vLLM builds both on Qwen3-Next's
-decoder, with two differences that decide the tensor names here:
+* ``qwen3_5`` / ``qwen3_5_moe``: text-only ``Qwen3_5ForCausalLM`` /
+  ``Qwen3_5MoeForCausalLM`` (``model_type`` ``qwen3_5_text`` /
+  ``qwen3_5_moe_text``): no ``text_config`` nesting, no vision tower. vLLM
+  registers these architectures (and these config types) from 0.27 on; vLLM
+  0.26 has the classes but not in its registry, so it cannot load them.
+* ``qwen3_5_vl`` / ``qwen3_5_moe_vl``: the layout of the released Qwen3.5
+  checkpoints, ``Qwen3_5ForConditionalGeneration`` /
+  ``Qwen3_5MoeForConditionalGeneration`` (``model_type`` ``qwen3_5`` /
+  ``qwen3_5_moe``, vLLM's own ``Qwen3_5Config`` / ``Qwen3_5MoeConfig`` in 0.26
+  to 0.30) with the text model under ``text_config`` and a tiny vision tower.
+  They load in vLLM 0.26 (CUDA) and 0.30 (CPU) alike; run them with every
+  modality's prompt limit at 0 (``FAMILY_ENGINE_ARGS``): without a tokenizer
+  vLLM cannot build the image processor, and with the limits at 0 it does not
+  build the vision tower either (its weights are skipped).
+* ``qwen3_5_mtp`` / ``qwen3_5_moe_mtp``: the ``_vl`` checkpoints plus one
+  multi-token-prediction layer (``text_config.mtp_num_hidden_layers = 1``,
+  tensors ``mtp.*`` as in the released checkpoints). With
+  ``speculative_config={"method": "mtp", ...}`` vLLM (0.26 and 0.30) turns
+  ``model_type`` ``qwen3_5`` / ``qwen3_5_moe`` into ``qwen3_5_mtp`` and builds
+  the drafter ``Qwen3_5MTP`` / ``Qwen3_5MoeMTP``, which reads ``mtp.fc``,
+  ``mtp.pre_fc_norm_{hidden,embedding}``, ``mtp.layers.0`` (a full-attention
+  decoder layer, with the model's MLP), ``mtp.norm``, and shares the target's
+  ``embed_tokens`` and ``lm_head``; the target skips ``mtp.*``.
+
+vLLM builds every variant on Qwen3-Next's decoder, with two differences that
+decide the tensor names here:
 
 * the GDN input projections are stored unfused and in plain ``[q, k, v]``,
   ``z``, ``b``, ``a`` order (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
@@ -13,7 +35,8 @@ decoder, with two differences that decide the tensor names here:
   routed-experts block plus a gated shared expert in every layer.
 
 On CPU the GDN layer (``QwenGatedDeltaNetAttention.forward_cpu``) calls the
-opaque op ``vllm::cpu_gdn_attention_core``, the same op as Qwen3-Next.
+opaque op ``vllm::cpu_gdn_attention_core``, the same op as Qwen3-Next; on
+CUDA (0.26) the GDN core is ``vllm::qwen_gdn_attention_core``.
 
 Importing vLLM's ``qwen3_5`` model module needs torchvision even for the
 text-only classes: it imports ``qwen3_vl``, which imports ``smart_resize``
@@ -85,34 +108,86 @@ QWEN3_5_MOE_CONFIG = {
 }
 
 
-def _qwen3_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+def _multimodal(architecture: str, model_type: str, text: dict, **text_extra) -> dict:
+    """The released layout: ``text`` (a text-only config above) under ``text_config``."""
+    text_config = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "text_config": {**text_config, **text_extra},
+        "vision_config": qwen_layers.VISION_CONFIG,
+        # Special tokens at the top of the vocabulary, away from the prompt ids.
+        "image_token_id": 1020,
+        "video_token_id": 1021,
+        "vision_start_token_id": 1022,
+        "vision_end_token_id": 1023,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+
+
+QWEN3_5_VL_CONFIG = _multimodal("Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_5_CONFIG)
+QWEN3_5_MOE_VL_CONFIG = _multimodal("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", QWEN3_5_MOE_CONFIG)
+QWEN3_5_MTP_CONFIG = _multimodal("Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_5_CONFIG,
+                                 mtp_num_hidden_layers=1)
+QWEN3_5_MOE_MTP_CONFIG = _multimodal("Qwen3_5MoeForConditionalGeneration", "qwen3_5_moe", QWEN3_5_MOE_CONFIG,
+                                     mtp_num_hidden_layers=1)
+
+
+def _decoder_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    h = c["hidden_size"]
+    yield f"{p}.input_layernorm.weight", (h,)
+    yield f"{p}.post_attention_layernorm.weight", (h,)
+    if kind == "linear_attention":
+        # Unfused, non-interleaved projections (Qwen3.5 checkpoint layout).
+        yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=False)
+    else:
+        yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
+    m = f"{p}.mlp"
+    if "num_experts" in c:
+        yield from qwen_layers.routed_experts(m, c)
+        yield from qwen_layers.shared_expert(m, c)
+    else:
+        inter = c["intermediate_size"]
+        yield f"{m}.gate_proj.weight", (inter, h)
+        yield f"{m}.up_proj.weight", (inter, h)
+        yield f"{m}.down_proj.weight", (h, inter)
+
+
+def _text_model(lm: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The language model under prefix ``lm``, and the ``lm_head`` (always top level)."""
     h, v = c["hidden_size"], c["vocab_size"]
-    yield "model.embed_tokens.weight", (v, h)
-    yield "model.norm.weight", (h,)
+    yield f"{lm}.embed_tokens.weight", (v, h)
+    yield f"{lm}.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
     for i, kind in enumerate(c["layer_types"]):
-        p = f"model.layers.{i}"
-        yield f"{p}.input_layernorm.weight", (h,)
-        yield f"{p}.post_attention_layernorm.weight", (h,)
-        if kind == "linear_attention":
-            # Unfused, non-interleaved projections (Qwen3.5 checkpoint layout).
-            yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=False)
-        else:
-            yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
-        m = f"{p}.mlp"
-        if "num_experts" in c:
-            yield from qwen_layers.routed_experts(m, c)
-            yield from qwen_layers.shared_expert(m, c)
-        else:
-            inter = c["intermediate_size"]
-            yield f"{m}.gate_proj.weight", (inter, h)
-            yield f"{m}.up_proj.weight", (inter, h)
-            yield f"{m}.down_proj.weight", (h, inter)
+        yield from _decoder_layer(f"{lm}.layers.{i}", kind, c)
+
+
+def _qwen3_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    yield from _text_model("model", c)
+
+
+def _qwen3_5_vl_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    c = config["text_config"]
+    yield from _text_model("model.language_model", c)
+    yield from qwen_layers.vision_tower("model.visual", config["vision_config"])
+    h = c["hidden_size"]
+    for i in range(c.get("mtp_num_hidden_layers", 0)):  # the MTP drafter's layers
+        yield from _decoder_layer(f"mtp.layers.{i}", "full_attention", c)
+    if c.get("mtp_num_hidden_layers", 0):
+        yield "mtp.fc.weight", (h, 2 * h)  # [embedding, hidden] -> hidden
+        for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+            yield f"mtp.{norm}.weight", (h,)
 
 
 CHECKPOINTS = {
     "qwen3_5": (QWEN3_5_CONFIG, _qwen3_5_tensors),
     "qwen3_5_moe": (QWEN3_5_MOE_CONFIG, _qwen3_5_tensors),
+    "qwen3_5_vl": (QWEN3_5_VL_CONFIG, _qwen3_5_vl_tensors),
+    "qwen3_5_moe_vl": (QWEN3_5_MOE_VL_CONFIG, _qwen3_5_vl_tensors),
+    "qwen3_5_mtp": (QWEN3_5_MTP_CONFIG, _qwen3_5_vl_tensors),
+    "qwen3_5_moe_mtp": (QWEN3_5_MOE_MTP_CONFIG, _qwen3_5_vl_tensors),
 }
 
 

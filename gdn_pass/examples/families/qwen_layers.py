@@ -6,6 +6,8 @@ InternS2-Mobius checkpoints share (``c`` is the text config).
     gated_attention(...)    self_attn with an output gate folded into q_proj
     routed_experts(...)     a router and per-expert gate/up/down projections
     shared_expert(...)      the gated shared expert
+    vision_tower(prefix, v) a tiny Qwen3-VL vision tower (``VISION_CONFIG``), for the
+                            multimodal layouts (Qwen3.5, InternS2-Mobius)
 """
 
 from __future__ import annotations
@@ -61,3 +63,51 @@ def shared_expert(m: str, c: dict) -> Tensors:
     yield f"{m}.shared_expert.up_proj.weight", (shared, h)
     yield f"{m}.shared_expert.down_proj.weight", (h, shared)
     yield f"{m}.shared_expert_gate.weight", (1, h)
+
+
+# A tiny Qwen3-VL vision tower: vLLM builds it unless every modality's prompt
+# limit is 0 (then it is a StageMissingLayer and its weights are skipped), so
+# it is present but small.
+VISION_CONFIG = {
+    "depth": 1,
+    "hidden_size": 32,
+    "hidden_act": "gelu_pytorch_tanh",
+    "intermediate_size": 64,
+    "num_heads": 2,
+    "in_channels": 3,
+    "patch_size": 16,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 256,  # = the text hidden_size of every tiny Qwen-style checkpoint
+    "num_position_embeddings": 16,
+    "deepstack_visual_indexes": [],
+}
+
+
+def vision_tower(v: str, c: dict) -> Tensors:
+    d, inter, out = c["hidden_size"], c["intermediate_size"], c["out_hidden_size"]
+    merged = d * c["spatial_merge_size"] ** 2
+    yield f"{v}.patch_embed.proj.weight", (d, c["in_channels"], c["temporal_patch_size"],
+                                           c["patch_size"], c["patch_size"])
+    yield f"{v}.patch_embed.proj.bias", (d,)
+    yield f"{v}.pos_embed.weight", (c["num_position_embeddings"], d)
+    for i in range(c["depth"]):
+        b = f"{v}.blocks.{i}"
+        for norm in ("norm1", "norm2"):
+            yield f"{b}.{norm}.weight", (d,)
+            yield f"{b}.{norm}.bias", (d,)
+        yield f"{b}.attn.qkv.weight", (3 * d, d)
+        yield f"{b}.attn.qkv.bias", (3 * d,)
+        yield f"{b}.attn.proj.weight", (d, d)
+        yield f"{b}.attn.proj.bias", (d,)
+        yield f"{b}.mlp.linear_fc1.weight", (inter, d)
+        yield f"{b}.mlp.linear_fc1.bias", (inter,)
+        yield f"{b}.mlp.linear_fc2.weight", (d, inter)
+        yield f"{b}.mlp.linear_fc2.bias", (d,)
+    m = f"{v}.merger"
+    yield f"{m}.norm.weight", (d,)  # pre-shuffle norm: over the unmerged width
+    yield f"{m}.norm.bias", (d,)
+    yield f"{m}.linear_fc1.weight", (merged, merged)
+    yield f"{m}.linear_fc1.bias", (merged,)
+    yield f"{m}.linear_fc2.weight", (out, merged)
+    yield f"{m}.linear_fc2.bias", (out,)
