@@ -144,11 +144,17 @@ class StepRecorder:
                 and len(s["state_slots"]) > sum(q > 0 for q in s["query_lens"])]
 
     def fresh_decode_steps(self) -> list[dict]:
-        """Steps where a brand-new row was classified as a decode (the bug's trigger)."""
+        """Steps where a brand-new row was read as a decode (the bug's trigger).
+
+        With no prefill row in the step, every row takes a decode path: a
+        one-token row the plain decode, and a new one-token request that the
+        scheduler padded with placeholder drafts next to speculating decodes
+        (1 + k tokens) the speculative decode. Both read the row's slot.
+        """
         return [
             s for s in self.steps
             if s["num_prefills"] == 0
-            and any(c == 0 and q == 1 for c, q in zip(s["num_computed_tokens"], s["query_lens"]))
+            and any(c == 0 and q > 0 for c, q in zip(s["num_computed_tokens"], s["query_lens"]))
         ]
 
 

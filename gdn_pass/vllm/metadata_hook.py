@@ -9,7 +9,8 @@ gets ``has_initial_state=None``), so the rows are derived from the scheduler's
     valid[i]             = query_len[i] > 0 and state_slot[i] not a sentinel
 
 for the builder's non-speculative rows, in the order of
-``non_spec_state_indices_tensor``. The rows live in one ``StagedRowMetadata``
+``non_spec_state_indices_tensor``, then its speculative rows (whose first step
+can be fresh too). The rows live in one ``StagedRowMetadata``
 per builder (persistent buffers, refreshed in place) and are attached to the
 built metadata, where the guarded ops find them. Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
@@ -67,10 +68,11 @@ def install() -> bool:
         if context is None:  # not configured (or built before the hook existed)
             return metadata
         common = compat.build_inputs(original_build, self, args, kwargs)
+        draft_counts = compat.draft_token_counts(original_build, self, args, kwargs)
         rows = self.__dict__.get(_BUILDER_ROWS)
         if rows is None:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
-        host_fresh = stage_rows(rows, common, metadata)
+        host_fresh = stage_rows(rows, common, metadata, draft_counts)
         caches = _group_caches(context)
         table = _group_cache_table(self, context, caches)
         setattr(metadata, ROWS_ATTR, rows)
@@ -163,29 +165,59 @@ def _new_rows(builder, context: compat.BuilderContext) -> StagedRowMetadata:
     return StagedRowMetadata(max_rows, device=context.device, pad_slot_ids=compat.pad_slot_ids())
 
 
-def stage_rows(rows: StagedRowMetadata, common, metadata) -> int:
+def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Tensor | None = None) -> int:
     """Refresh ``rows`` for one step from vLLM's common and GDN metadata.
+
+    Non-speculative rows come first, in the order of
+    ``non_spec_state_indices_tensor``; then speculative rows, each with the
+    slot its kernels read the initial state from (column 0 of
+    ``spec_state_indices_tensor``: a request's first step has one accepted
+    token). A speculative row can be fresh: vLLM's scheduler pads a new
+    one-token request admitted next to speculating decodes to ``1 + k`` tokens
+    with placeholder drafts, and the builder then treats it as a speculative
+    decode that reads its (recycled) slot. ``draft_counts`` is the build's
+    ``num_decode_draft_tokens_cpu`` (host copy of the speculative mask).
 
     Returns the number of fresh rows as the host sees them (an upper bound of
     the staged ``fresh``: it does not know padding sentinels), without a sync.
     """
-    slots = metadata.non_spec_state_indices_tensor
-    if slots is None:  # all rows are speculative decodes: every row has state
-        empty = torch.zeros(0, dtype=torch.int64)
-        rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
-        return 0
     num_reqs = common.num_reqs
     query_lens = common.query_start_loc_cpu[1 : num_reqs + 1] - common.query_start_loc_cpu[:num_reqs]
     computed = compat.num_computed_tokens(common, query_lens)
-    if metadata.spec_sequence_masks is not None:
-        non_spec = ~metadata.spec_sequence_masks[:num_reqs].cpu()
-        query_lens, computed = query_lens[non_spec], computed[non_spec]
-    if query_lens.numel() != slots.numel():
-        raise MetadataError(
-            f"GDN metadata has {slots.numel()} state slots for {query_lens.numel()} "
-            f"scheduler rows (vLLM {compat.vllm_version()}); this builder layout is "
-            "not supported by gdn-pass"
-        )
+    non_spec_slots = metadata.non_spec_state_indices_tensor
+    spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
+    if metadata.spec_sequence_masks is None:
+        parts = [(query_lens, computed, non_spec_slots)]
+    else:
+        if draft_counts is not None:
+            spec = draft_counts[:num_reqs].cpu() >= 0
+        else:  # a device-to-host copy; vLLM 0.26-0.31 always pass the host counts
+            spec = metadata.spec_sequence_masks[:num_reqs].cpu()
+        parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
+                 (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
+    lens, done, slots = [], [], []
+    for part_lens, part_done, part_slots in parts:
+        if part_slots is None:
+            if int((part_lens > 0).sum()):
+                raise MetadataError(
+                    f"GDN metadata has no state slots for {part_lens.numel()} scheduler rows "
+                    f"(vLLM {compat.vllm_version()}); this builder layout is not supported by gdn-pass")
+            continue
+        if part_lens.numel() != part_slots.numel():
+            raise MetadataError(
+                f"GDN metadata has {part_slots.numel()} state slots for {part_lens.numel()} "
+                f"scheduler rows (vLLM {compat.vllm_version()}); this builder layout is "
+                "not supported by gdn-pass"
+            )
+        lens.append(part_lens)
+        done.append(part_done)
+        slots.append(part_slots)
+    if not slots:
+        empty = torch.zeros(0, dtype=torch.int64)
+        rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
+        return 0
+    query_lens, computed = torch.cat(lens), torch.cat(done)
+    slots = slots[0] if len(slots) == 1 else torch.cat([s.to(slots[0].dtype) for s in slots])
     rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots)
     return int(((computed == 0) & (query_lens > 0)).sum())
 

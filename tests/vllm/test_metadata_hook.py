@@ -32,10 +32,11 @@ def common_metadata(computed, qlens, *, with_cpu_seq_lens=True, pad_to=None):
     )
 
 
-def gdn_metadata(slots, spec_mask=None):
+def gdn_metadata(slots, spec_mask=None, spec_slots=None):
     return SimpleNamespace(
-        non_spec_state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+        non_spec_state_indices_tensor=None if slots is None else torch.tensor(slots, dtype=torch.int32),
         spec_sequence_masks=None if spec_mask is None else torch.tensor(spec_mask),
+        spec_state_indices_tensor=None if spec_slots is None else torch.tensor(spec_slots, dtype=torch.int32),
     )
 
 
@@ -61,13 +62,35 @@ def test_mixed_batch_with_padding_sentinels():
     assert rows.fresh_slots().tolist() == [6]
 
 
-def test_speculative_rows_are_not_staged():
+@pytest.mark.parametrize("host_counts", [True, False])
+def test_speculative_rows_are_staged_with_their_initial_state_slot(host_counts):
+    """Rows 0 and 2 speculate (1 + 2 tokens); row 1 is a fresh non-spec row. Each
+    spec row reads its initial state from column 0 of its spec slots."""
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([5, 0, 40], [3, 1, 3])
-    # rows 0 and 2 are spec decodes; only row 1 is in non_spec_state_indices
-    metadata_hook.stage_rows(rows, common, gdn_metadata([9], spec_mask=[True, False, True]))
-    assert rows.num_rows == 1
+    draft_counts = torch.tensor([2, -1, 2]) if host_counts else None
+    fresh = metadata_hook.stage_rows(
+        rows, common, gdn_metadata([9], spec_mask=[True, False, True], spec_slots=[[3, 4, 5], [6, 7, 8]]),
+        draft_counts)
+    assert rows.num_rows == 3
+    assert rows.state_slot[:3].tolist() == [9, 3, 6]  # non-spec first, then spec column 0
+    assert rows.has_initial_state[:3].tolist() == [False, True, True]
     assert rows.fresh_slots().tolist() == [9]
+    assert fresh == 1
+
+
+def test_fresh_row_padded_into_a_speculative_row_is_fresh():
+    """vLLM's scheduler pads a new one-token request admitted next to speculating
+    decodes to 1 + k tokens; every row is then a spec row and the builder has no
+    non-spec slots at all (vLLM 0.26: the bug under MTP)."""
+    rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
+    common = common_metadata([40, 0], [2, 2])  # R2 decoding with 1 draft; R3 brand new, padded
+    fresh = metadata_hook.stage_rows(
+        rows, common, gdn_metadata(None, spec_mask=[True, True], spec_slots=[[3, 4], [6, 7]]),
+        torch.tensor([1, 1]))
+    assert rows.fresh_slots().tolist() == [6]
+    assert rows.has_initial_state[:2].tolist() == [True, False]
+    assert fresh == 1
 
 
 def test_row_count_mismatch_is_an_error():
