@@ -31,20 +31,33 @@ import argparse
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS"]
+__all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
 
 LOGPROB_TOL = 0.1
+_PREEMPT_BLOCKS = 24
 
 # Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
 ENGINE_CONFIGS: dict[str, dict] = {
     "prefix_caching": dict(enable_prefix_caching=True),
     "no_prefix_caching": dict(enable_prefix_caching=False),
+    # 128-token blocks (CONFIG_CHECKPOINT), prompts of up to 300 tokens that
+    # share long prefixes, and a pool too small for the requests in flight:
+    # prefix-cache hits in "align" mode and preemptions both happen.
+    "preempt_prefix_hits": dict(enable_prefix_caching=True, max_model_len=512,
+                                num_gpu_blocks_override=_PREEMPT_BLOCKS),
+}
+# The checkpoint kind each configuration runs (tiny_checkpoints), and its stream shape.
+CONFIG_CHECKPOINT: dict[str, str] = {"preempt_prefix_hits": "qwen3_next_small_state"}
+CONFIG_STREAM: dict[str, dict] = {
+    "preempt_prefix_hits": dict(long_len=(130, 300), max_prompt=400, long_prefixes=True,
+                                weights=(0.3, 0.1, 0.15, 0.25, 0.2)),
 }
 _COMMON_ENGINE = dict(
     max_num_seqs=8,
@@ -67,14 +80,23 @@ class FuzzRequest:
     kind: str
 
 
-def make_stream(seed: int, num_requests: int) -> list[FuzzRequest]:
-    """A seeded request stream; one-token prompts are the bug's trigger and come often."""
+def make_stream(seed: int, num_requests: int, *, long_len: tuple[int, int] = (20, 90),
+                max_prompt: int = 100, long_prefixes: bool = False,
+                weights: tuple[float, ...] = (0.35, 0.15, 0.15, 0.1, 0.25)) -> list[FuzzRequest]:
+    """A seeded request stream; one-token prompts are the bug's trigger and come often.
+
+    ``long_len``: token range of "long" prompts; ``max_prompt``: prompts are cut
+    there; ``long_prefixes``: shared prefixes are taken from earlier long
+    prompts (long enough to fill cache blocks, the last three, which the
+    prefix cache still holds) rather than from any prompt; ``weights``: of the
+    kinds one_token, short, long, shared_prefix, long_output.
+    """
     rng = random.Random(seed)
-    stream, step, earlier = [], 0, []
+    stream, step, earlier, earlier_long = [], 0, [], []
     for i in range(num_requests):
         step += rng.choice([0, 0, 1, 1, 2, 3, 5])
         kind = rng.choices(["one_token", "short", "long", "shared_prefix", "long_output"],
-                           [0.35, 0.15, 0.15, 0.1, 0.25])[0]
+                           list(weights))[0]
         max_tokens = rng.randint(1, 16)
         if kind == "one_token":
             prompt = [rng.randrange(3, 1000)]
@@ -84,12 +106,14 @@ def make_stream(seed: int, num_requests: int) -> list[FuzzRequest]:
         elif kind == "short":
             prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(2, 8))]
         elif kind == "long":
-            prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(20, 90))]
+            prompt = [rng.randrange(3, 1000) for _ in range(rng.randint(*long_len))]
+            earlier_long.append(prompt)
         else:
-            base = rng.choice(earlier) if earlier else [5] * 20
+            pool = (earlier_long[-3:] or earlier) if long_prefixes else earlier
+            base = rng.choice(pool) if pool else [5] * 20
             prompt = list(base) + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 6))]
         earlier.append(prompt)
-        stream.append(FuzzRequest(f"q{i}", step, tuple(prompt[:100]), max_tokens, kind))
+        stream.append(FuzzRequest(f"q{i}", step, tuple(prompt[:max_prompt]), max_tokens, kind))
     return stream
 
 
@@ -105,7 +129,9 @@ def _params(max_tokens: int):
 def _finished(out) -> dict:
     c = out.outputs[0]
     return dict(tokens=list(c.token_ids),
-                logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)])
+                logprobs=[lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)],
+                # vLLM's own count of prompt tokens served from the prefix cache
+                cached_tokens=getattr(out, "num_cached_tokens", None) or 0)
 
 
 def _zero_all_caches(llm) -> None:
@@ -146,7 +172,8 @@ def run_stream(llm, stream: list[FuzzRequest], recorder) -> dict:
     original = Scheduler._preempt_request
 
     def preempt(self, request, *args, **kwargs):
-        preempted.append(request.request_id)
+        # vLLM 0.30 suffixes the caller's id inside the engine ("q7-1a2b3c4d")
+        preempted.append(re.sub(r"-[0-9a-f]{8}$", "", request.request_id))
         return original(self, request, *args, **kwargs)
 
     Scheduler._preempt_request = preempt
@@ -164,6 +191,8 @@ def run_stream(llm, stream: list[FuzzRequest], recorder) -> dict:
                                f"{len(stream)} requests done, {len(preempted)} preemptions")
     Scheduler._preempt_request = original
     return dict(results=results, steps=step, preemptions=len(preempted),
+                preempted_requests=len(set(preempted)), preempted_ids=sorted(set(preempted)),
+                prefix_cache_hits=sum(r["cached_tokens"] > 0 for r in results.values()),
                 fresh_decode_steps=len(recorder.fresh_decode_steps()))
 
 
@@ -220,7 +249,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
          guards=("off", "on"), python: str = sys.executable, progress=print) -> dict:
     """Run one seeded stream with the pass off and on; compare each request with its reference."""
     workdir.mkdir(parents=True, exist_ok=True)
-    stream = make_stream(seed, num_requests)
+    stream = make_stream(seed, num_requests, **CONFIG_STREAM.get(config, {}))
     cache_path = workdir / f"reference_{config}.json"
     reference = json.loads(cache_path.read_text()) if cache_path.exists() else {}
     wanted: dict[str, int] = {}
@@ -243,11 +272,18 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                     stream=[asdict(r) for r in stream],
                     report_dir=str(workdir / f"reports_{config}_s{seed}_{guard}"))
         run = _run_engine(spec, workdir, f"stream_{config}_s{seed}_{guard}", python)
-        mismatches, drift = {}, 0.0
+        # A preempted request is recomputed from zero state by vLLM as a
+        # prefill of its prompt and output so far: other kernels than the
+        # decode steps of its reference, so bf16 numerics (and late greedy
+        # tokens) may drift with or without the pass. Those are counted apart.
+        preempted = set(run.get("preempted_ids", ()))
+        mismatches, drift, preempted_mismatches = {}, 0.0, {}
         for r in stream:
             ref, got = reference[json.dumps(list(r.prompt))], run["results"][r.rid]
             why = _mismatch(ref, got)
-            if why:
+            if why and r.rid in preempted:
+                preempted_mismatches[r.rid] = f"{r.kind}: {why}"
+            elif why:
                 mismatches[r.rid] = f"{r.kind}: {why}"
             else:
                 drift = max(drift, _logprob_drift(ref, got))
@@ -255,7 +291,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             mismatches=len(mismatches), examples=dict(list(mismatches.items())[:5]),
             max_logprob_drift_of_matches=round(drift, 4),
             steps=run["steps"], fresh_decode_steps=run["fresh_decode_steps"],
-            preemptions=run["preemptions"], run_s=run["run_s"])
+            preemptions=run["preemptions"], preempted_requests=run.get("preempted_requests"),
+            prefix_cache_hits=run.get("prefix_cache_hits"), run_s=run["run_s"],
+            mismatches_of_preempted=len(preempted_mismatches),
+            preempted_examples=dict(list(preempted_mismatches.items())[:5]),
+            mismatched_ids=sorted(mismatches), preempted_mismatched_ids=sorted(preempted_mismatches))
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 

@@ -152,6 +152,18 @@ QWEN3_NEXT_1K_CONFIG = {
     "shared_expert_intermediate_size": 512,
 }
 
+# Qwen3-Next with a small GDN state (1 key / 2 value heads of 64): vLLM then
+# sizes the hybrid model's blocks to 128 tokens (384 for QWEN3_NEXT_CONFIG),
+# so prompts of a few hundred tokens hit the prefix cache in "align" mode and
+# requests growing into new blocks get preempted (the scheduling fuzz).
+QWEN3_NEXT_SMALL_STATE_CONFIG = {
+    **QWEN3_NEXT_CONFIG,
+    "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64,
+    "linear_num_key_heads": 1,
+    "linear_num_value_heads": 2,
+}
+
 # Qwen3-Next with one MTP layer, for speculative decoding (method "mtp").
 QWEN3_NEXT_MTP_CONFIG = {**QWEN3_NEXT_CONFIG, "num_nextn_predict_layers": 1}
 
@@ -159,6 +171,7 @@ CHECKPOINTS = {
     "qwen3_next": (QWEN3_NEXT_CONFIG, _qwen3_next_tensors),
     "qwen3_next_mtp": (QWEN3_NEXT_MTP_CONFIG, _qwen3_next_mtp_tensors),
     "qwen3_next_1k": (QWEN3_NEXT_1K_CONFIG, _qwen3_next_tensors),
+    "qwen3_next_small_state": (QWEN3_NEXT_SMALL_STATE_CONFIG, _qwen3_next_tensors),
     "llama": (LLAMA_CONFIG, _llama_tensors),
 }
 
