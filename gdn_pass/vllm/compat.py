@@ -47,11 +47,11 @@ __all__ = [
     "builder_context",
     "check_supported",
     "core_op_problems",
-    "draft_token_counts",
     "engine_compiles",
     "inductor_pass_base",
     "num_computed_tokens",
     "pad_slot_ids",
+    "step_inputs",
     "vllm_version",
 ]
 
@@ -170,14 +170,18 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
 
 def build_inputs(build, builder, args: tuple, kwargs: dict):
     """``common_attn_metadata`` of a ``build`` call, positional (0.30) or keyword (0.26)."""
-    return _signature(build).bind(builder, *args, **kwargs).arguments["common_attn_metadata"]
+    return step_inputs(build, builder, args, kwargs)[0]
 
 
-def draft_token_counts(build, builder, args: tuple, kwargs: dict) -> torch.Tensor | None:
-    """``num_decode_draft_tokens_cpu`` of a ``build`` call: per row, the draft tokens of a
-    speculative row (``>= 0``) or -1; the builder's ``spec_sequence_masks`` is its ``>= 0``
-    (0.26-0.31), here on the host without a device sync. None without speculation."""
-    return _signature(build).bind(builder, *args, **kwargs).arguments.get("num_decode_draft_tokens_cpu")
+def step_inputs(build, builder, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
+    """``common_attn_metadata`` and ``num_decode_draft_tokens_cpu`` of a ``build`` call, bound once.
+
+    The draft counts are per row the draft tokens of a speculative row (``>= 0``)
+    or -1; the builder's ``spec_sequence_masks`` is their ``>= 0`` (0.26-0.31),
+    here on the host without a device sync. None without speculation.
+    """
+    bound = _signature(build).bind(builder, *args, **kwargs).arguments
+    return bound["common_attn_metadata"], bound.get("num_decode_draft_tokens_cpu")
 
 
 def engine_compiles(vllm_config) -> bool:

@@ -67,8 +67,7 @@ def install() -> bool:
         context = self.__dict__.get(_BUILDER_CONTEXT)
         if context is None:  # not configured (or built before the hook existed)
             return metadata
-        common = compat.build_inputs(original_build, self, args, kwargs)
-        draft_counts = compat.draft_token_counts(original_build, self, args, kwargs)
+        common, draft_counts = compat.step_inputs(original_build, self, args, kwargs)
         rows = self.__dict__.get(_BUILDER_ROWS)
         if rows is None:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)

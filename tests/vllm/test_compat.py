@@ -103,6 +103,11 @@ def test_build_inputs_from_positional_and_keyword_calls():
     common = object()
     assert compat.build_inputs(build, None, (0, common), {}) is common
     assert compat.build_inputs(build, None, (), dict(common_prefix_len=0, common_attn_metadata=common)) is common
+    drafts = object()
+    assert compat.step_inputs(build, None, (0, common, None, drafts), {}) == (common, drafts)
+    assert compat.step_inputs(build, None, (), dict(common_prefix_len=0, common_attn_metadata=common,
+                                                    num_decode_draft_tokens_cpu=drafts)) == (common, drafts)
+    assert compat.step_inputs(build, None, (0, common), {}) == (common, None)
 
 
 def test_pad_slot_ids_are_this_vllms():
