@@ -107,15 +107,7 @@ def _qwen3_next_mtp_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 def _qwen3_next_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h = c["hidden_size"]
-    yield f"{p}.input_layernorm.weight", (h,)
-    yield f"{p}.post_attention_layernorm.weight", (h,)
-    if kind == "linear_attention":
-        yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=True)
-    else:
-        yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
-    yield from qwen_layers.routed_experts(f"{p}.mlp", c)
-    yield from qwen_layers.shared_expert(f"{p}.mlp", c)
+    return qwen_layers.decoder_layer(p, kind, c, fused_gdn=True)  # fused in_proj_qkvz / in_proj_ba
 
 
 def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -67,19 +67,8 @@ _TEXT_CONFIG = {
     "eos_token_id": 2,
 }
 
-INTERNS2_MOBIUS_CONFIG = {
-    "architectures": ["InternS2MobiusForConditionalGeneration"],
-    "model_type": "qwen3_5_moe",
-    "text_config": _TEXT_CONFIG,
-    "vision_config": qwen_layers.VISION_CONFIG,
-    # Special tokens at the top of the vocabulary, away from the prompt ids.
-    "image_token_id": 1020,
-    "video_token_id": 1021,
-    "vision_start_token_id": 1022,
-    "vision_end_token_id": 1023,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-}
+INTERNS2_MOBIUS_CONFIG = qwen_layers.multimodal_config(
+    "InternS2MobiusForConditionalGeneration", "qwen3_5_moe", _TEXT_CONFIG)
 
 
 def _interns2_mobius_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -111,19 +111,7 @@ QWEN3_5_MOE_CONFIG = {
 def _multimodal(architecture: str, model_type: str, text: dict, **text_extra) -> dict:
     """The released layout: ``text`` (a text-only config above) under ``text_config``."""
     text_config = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
-    return {
-        "architectures": [architecture],
-        "model_type": model_type,
-        "text_config": {**text_config, **text_extra},
-        "vision_config": qwen_layers.VISION_CONFIG,
-        # Special tokens at the top of the vocabulary, away from the prompt ids.
-        "image_token_id": 1020,
-        "video_token_id": 1021,
-        "vision_start_token_id": 1022,
-        "vision_end_token_id": 1023,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+    return qwen_layers.multimodal_config(architecture, model_type, {**text_config, **text_extra})
 
 
 QWEN3_5_VL_CONFIG = _multimodal("Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_5_CONFIG)
@@ -135,23 +123,8 @@ QWEN3_5_MOE_MTP_CONFIG = _multimodal("Qwen3_5MoeForConditionalGeneration", "qwen
 
 
 def _decoder_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h = c["hidden_size"]
-    yield f"{p}.input_layernorm.weight", (h,)
-    yield f"{p}.post_attention_layernorm.weight", (h,)
-    if kind == "linear_attention":
-        # Unfused, non-interleaved projections (Qwen3.5 checkpoint layout).
-        yield from qwen_layers.gdn(f"{p}.linear_attn", c, fused=False)
-    else:
-        yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
-    m = f"{p}.mlp"
-    if "num_experts" in c:
-        yield from qwen_layers.routed_experts(m, c)
-        yield from qwen_layers.shared_expert(m, c)
-    else:
-        inter = c["intermediate_size"]
-        yield f"{m}.gate_proj.weight", (inter, h)
-        yield f"{m}.up_proj.weight", (inter, h)
-        yield f"{m}.down_proj.weight", (h, inter)
+    # Unfused, non-interleaved GDN projections (Qwen3.5 checkpoint layout).
+    return qwen_layers.decoder_layer(p, kind, c, fused_gdn=False)
 
 
 def _text_model(lm: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:

@@ -6,8 +6,11 @@ InternS2-Mobius checkpoints share (``c`` is the text config).
     gated_attention(...)    self_attn with an output gate folded into q_proj
     routed_experts(...)     a router and per-expert gate/up/down projections
     shared_expert(...)      the gated shared expert
+    decoder_layer(...)      norms, GDN or gated attention, then MoE (routed + shared
+                            experts, when ``c`` has ``num_experts``) or a dense MLP
     vision_tower(prefix, v) a tiny Qwen3-VL vision tower (``VISION_CONFIG``), for the
                             multimodal layouts (Qwen3.5, InternS2-Mobius)
+    multimodal_config(...)  the released multimodal config around a text config
 """
 
 from __future__ import annotations
@@ -65,6 +68,26 @@ def shared_expert(m: str, c: dict) -> Tensors:
     yield f"{m}.shared_expert_gate.weight", (1, h)
 
 
+def decoder_layer(p: str, kind: str, c: dict, *, fused_gdn: bool) -> Tensors:
+    """One decoder layer; ``kind`` is its ``layer_types`` entry."""
+    h = c["hidden_size"]
+    yield f"{p}.input_layernorm.weight", (h,)
+    yield f"{p}.post_attention_layernorm.weight", (h,)
+    if kind == "linear_attention":
+        yield from gdn(f"{p}.linear_attn", c, fused=fused_gdn)
+    else:
+        yield from gated_attention(f"{p}.self_attn", c)
+    m = f"{p}.mlp"
+    if "num_experts" in c:
+        yield from routed_experts(m, c)
+        yield from shared_expert(m, c)
+    else:
+        inter = c["intermediate_size"]
+        yield f"{m}.gate_proj.weight", (inter, h)
+        yield f"{m}.up_proj.weight", (inter, h)
+        yield f"{m}.down_proj.weight", (h, inter)
+
+
 # A tiny Qwen3-VL vision tower: vLLM builds it unless every modality's prompt
 # limit is 0 (then it is a StageMissingLayer and its weights are skipped), so
 # it is present but small.
@@ -111,3 +134,20 @@ def vision_tower(v: str, c: dict) -> Tensors:
     yield f"{m}.linear_fc1.bias", (merged,)
     yield f"{m}.linear_fc2.weight", (out, merged)
     yield f"{m}.linear_fc2.bias", (out,)
+
+
+def multimodal_config(architecture: str, model_type: str, text_config: dict) -> dict:
+    """The released multimodal layout: ``text_config`` next to the tiny vision tower."""
+    return {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "text_config": text_config,
+        "vision_config": VISION_CONFIG,
+        # Special tokens at the top of the vocabulary, away from the prompt ids.
+        "image_token_id": 1020,
+        "video_token_id": 1021,
+        "vision_start_token_id": 1022,
+        "vision_end_token_id": 1023,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
