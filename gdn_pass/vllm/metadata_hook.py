@@ -72,11 +72,14 @@ def install() -> bool:
         if rows is None:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
         host_fresh = stage_rows(rows, common, metadata, draft_counts)
-        caches = _group_caches(context)
-        table = _group_cache_table(self, context, caches)
+        step_owned = _owner(self, context) is step_guard.Owner.STEP
+        cuda = context.device.type == "cuda"
+        # The caches are needed by the one-launch table (CUDA) and by the step guard.
+        caches = _group_caches(context) if cuda or step_owned else []
+        table = _group_cache_table(self, caches) if cuda else None
         setattr(metadata, ROWS_ATTR, rows)
         setattr(metadata, CACHES_ATTR, table)
-        if _owner(self, context) is step_guard.Owner.STEP:
+        if step_owned:
             step_guard.zero_group(caches, table, rows, host_fresh)
             setattr(metadata, step_guard.ZEROED_ATTR, True)
         return metadata
@@ -139,15 +142,12 @@ def _group_caches(context: compat.BuilderContext) -> list[torch.Tensor]:
     return caches
 
 
-def _group_cache_table(builder, context: compat.BuilderContext,
-                       caches: list[torch.Tensor]) -> CacheTable | None:
-    """The group's state caches as one table, for one zeroing launch (CUDA).
+def _group_cache_table(builder, caches: list[torch.Tensor]) -> CacheTable | None:
+    """The group's CUDA state caches as one table, for one zeroing launch.
 
     Built here, outside CUDA-graph capture, and kept while the caches stay
     where they are (vLLM allocates them once; profiling runs have none yet).
     """
-    if context.device.type != "cuda":
-        return None
     table = builder.__dict__.get(_BUILDER_TABLE)
     if table is None or table.key != CacheTable.key_of(caches):
         table = builder.__dict__[_BUILDER_TABLE] = CacheTable.build(caches) if caches else None
