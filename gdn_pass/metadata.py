@@ -52,8 +52,10 @@ class StagedRowMetadata:
         valid: bool, the row is a real request row.
         reads_state: bool, ``valid & has_initial_state``: the row may read its slot.
         fresh: bool, ``valid & ~has_initial_state``: the row's slot must read as zero.
-        state_slot: int64, the state slot the row reads and writes, or the
-            first padding sentinel for padding rows.
+        state_slot: int64, the state slot the row reads and writes (for a
+            restored speculative row, its first column; see
+            ``gdn_pass.vllm.metadata_hook.stage_rows``), or the first padding
+            sentinel for padding rows.
     """
 
     def __init__(

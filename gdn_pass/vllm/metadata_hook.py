@@ -168,10 +168,12 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
     """Refresh ``rows`` for one step from vLLM's common and GDN metadata.
 
     Non-speculative rows come first, in the order of
-    ``non_spec_state_indices_tensor``; then speculative rows, each with the
-    slot its kernels read the initial state from (column 0 of
-    ``spec_state_indices_tensor``: a request's first step has one accepted
-    token). A speculative row can be fresh: vLLM's scheduler pads a new
+    ``non_spec_state_indices_tensor``; then speculative rows, each with
+    column 0 of ``spec_state_indices_tensor``: the slot a fresh row's kernels
+    read (a request's first step has one accepted token). A continuing
+    speculative row reads column ``num_accepted_tokens - 1`` instead, a device
+    value; it is restored, so no guard ever acts on its staged slot, and
+    staging it needs no sync. A speculative row can be fresh: vLLM's scheduler pads a new
     one-token request admitted next to speculating decodes to ``1 + k`` tokens
     with placeholder drafts, and the builder then treats it as a speculative
     decode that reads its (recycled) slot. ``draft_counts`` is the build's
