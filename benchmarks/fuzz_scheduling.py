@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz import CONFIG_CHECKPOINT, DRIFT_TOL, ENGINE_CONFIGS, NEAR_TIE_TOL, fuzz  # noqa: E402
+from gdn_pass.examples.fuzz import (CONFIG_CHECKPOINT, DRIFT_TOL, ENGINE_CONFIGS,  # noqa: E402
+                                   GPU_ENGINE_CONFIGS, NEAR_TIE_TOL, fuzz)
 from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 # What vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md), per engine.
@@ -124,9 +125,10 @@ def main() -> int:
     def one(config: str, seed: int) -> None:
         kind = CONFIG_CHECKPOINT.get(config, "qwen3_next")
         model = write_checkpoint(kind, workdir / f"tiny_{kind}", seed=0)
+        per_config = {**engine_args, **(GPU_ENGINE_CONFIGS.get(config, {}) if args.gpu else {})}
         try:
             s = fuzz(model, workdir, seed=seed, num_requests=args.requests, config=config,
-                     engine_args=engine_args, parallel=args.parallel, engine_env=engine_env,
+                     engine_args=per_config, parallel=args.parallel, engine_env=engine_env,
                      reference_shards=args.reference_shards,
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
         except RuntimeError as e:  # one configuration's engine failed: keep the others

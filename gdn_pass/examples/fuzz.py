@@ -53,7 +53,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["FuzzRequest", "make_stream", "fuzz", "classify", "NEAR_TIE_TOL", "DRIFT_TOL", "ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
+__all__ = ["FuzzRequest", "make_stream", "fuzz", "classify", "NEAR_TIE_TOL", "DRIFT_TOL", "ENGINE_CONFIGS",
+           "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
 
 NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
 # Matching tokens whose logprobs differ by more than this are a mismatch. The
@@ -80,6 +81,14 @@ ENGINE_CONFIGS: dict[str, dict] = {
     # rows padded into speculative rows, next to speculating decodes.
     "mtp": dict(enable_prefix_caching=False,
                 speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+}
+# On CUDA, vLLM's mamba "align" mode (prefix caching on) requires chunks of at
+# least one block (0.26 ``VllmConfig.validate_block_size``: 144 tokens for
+# tiny Qwen3-Next there): 256-token chunks, with a budget that 8 rows of them
+# always fit, so chunk boundaries stay the same alone and in the stream.
+GPU_ALIGN_CHUNKS = dict(long_prefill_token_threshold=256, max_num_batched_tokens=8 * 256)
+GPU_ENGINE_CONFIGS: dict[str, dict] = {
+    name: GPU_ALIGN_CHUNKS for name, cfg in ENGINE_CONFIGS.items() if cfg.get("enable_prefix_caching")
 }
 # The checkpoint kind each configuration runs (tiny_checkpoints), and its stream shape.
 CONFIG_CHECKPOINT: dict[str, str] = {"preempt_prefix_hits": "qwen3_next_small_state",
