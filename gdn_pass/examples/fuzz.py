@@ -65,6 +65,7 @@ DRIFT_TOL = 0.15
 TOP_LOGPROBS = 5  # the reference's top tokens, to tell a near tie from a real difference
 TRACE_EXTENSION = "gdn_pass.examples.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
+_STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
 ENGINE_CONFIGS: dict[str, dict] = {
@@ -272,10 +273,12 @@ def run_stream(llm, stream: list[FuzzRequest]) -> dict:
     Scheduler._preempt_request = preempt
     traced = llm.collective_rpc("gdn_trace_start")
     engine, results, pending, step = llm.llm_engine, {}, list(stream), 0
+    last_output, started = 0, time.time()
     aborts = sorted((r.arrival_step + r.abort_after, r.rid) for r in stream if r.abort_after is not None)
     while pending or engine.has_unfinished_requests() or aborts:
         while pending and pending[0].arrival_step <= step:
             r = pending.pop(0)
+            last_output = step  # an idle engine is not a stalled one
             refused = _add(engine, r.rid, r.prompt, r.max_tokens)
             if refused:
                 results[r.rid] = dict(rejected=refused)
@@ -289,7 +292,15 @@ def run_stream(llm, stream: list[FuzzRequest]) -> dict:
         for out in engine.step():
             if not results.get(out.request_id, {}).get("aborted"):
                 results[out.request_id] = dict(_output(out), finished=out.finished)
+                last_output = step
         step += 1
+        if step % 1000 == 0:  # in the engine's log: slow and stuck look different
+            done = sum(bool(v.get("finished")) for v in results.values())
+            print(f"[fuzz] step {step}: {done} of {len(stream)} finished, {len(preempted)} preemptions, "
+                  f"{time.time() - started:.0f} s", file=sys.stderr, flush=True)
+        if step - last_output > _STALL_STEPS and engine.has_unfinished_requests():
+            raise RuntimeError(f"fuzz stream stalled: no output for {_STALL_STEPS} steps at step {step}; "
+                               f"{len(results)} of {len(stream)} requests seen, {len(preempted)} preemptions")
         if step > 50 * len(stream) + 200:
             raise RuntimeError(f"fuzz stream did not finish in {step} steps: {len(results)} of "
                                f"{len(stream)} requests done, {len(preempted)} preemptions")

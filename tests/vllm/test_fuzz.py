@@ -1,4 +1,12 @@
-"""Seeded scheduling fuzz on real vLLM (CI subset of benchmarks/fuzz_scheduling.py)."""
+"""Seeded scheduling fuzz on real vLLM (CI subset of benchmarks/fuzz_scheduling.py).
+
+Three configurations: the plain trigger-rich stream (no prefix caching), a
+stream that makes vLLM preempt and hit its prefix cache in "align" mode, and
+bad input under load (aborts, prompts at max_model_len, no max_tokens, a
+burst larger than the pool). The "prefix_caching" configuration is left to
+the benchmark: on this checkpoint it schedules exactly as "no_prefix_caching"
+(384-token blocks, longer than its prompts).
+"""
 
 import json
 import sys
@@ -6,6 +14,7 @@ import sys
 import pytest
 
 from gdn_pass.examples import fuzz as fz
+from gdn_pass.examples.tiny_checkpoints import write_checkpoint
 from gdn_pass.examples.vllm_scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
 
 pytestmark = pytest.mark.slow
@@ -30,14 +39,34 @@ def test_stream_is_seeded_and_hits_the_trigger_often():
     assert {r.kind for r in a} >= {"one_token", "short", "long", "long_output"}
 
 
-# "preempt_prefix_hits" is not in CI yet: with the pass on it still shows
-# mismatches whose cause is open (issue 13; benchmarks/results/fuzz_preemption_probe.md).
-@pytest.mark.parametrize("config", ["no_prefix_caching", "prefix_caching"])
-def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, qwen3_next_checkpoint,
-                                                                   config):
-    summary = fz.fuzz(qwen3_next_checkpoint, engine_dir / "fuzz", seed=0, num_requests=40,
+def test_bad_input_stream_has_every_kind_of_bad_input():
+    stream = fz.make_stream(0, 200, bad_input=True, max_model_len=128)
+    kinds = {r.kind for r in stream}
+    assert kinds >= {"abort", "at_max_model_len", "no_max_tokens", "burst"}
+    assert {len(r.prompt) for r in stream if r.kind == "at_max_model_len"} <= {127, 128, 129}
+    assert all(r.abort_after is not None for r in stream if r.kind == "abort")
+    bursts = [r.arrival_step for r in stream if r.kind == "burst"]
+    assert max(bursts.count(s) for s in bursts) > fz.engine_settings("bad_input_under_load")["max_num_seqs"]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(engine_dir, qwen3_next_checkpoint):
+    small = write_checkpoint("qwen3_next_small_state", engine_dir / "tiny_qwen3_next_small_state", seed=0)
+    return {"qwen3_next": qwen3_next_checkpoint, "qwen3_next_small_state": small}
+
+
+@pytest.mark.parametrize("config", ["no_prefix_caching", "preempt_prefix_hits", "bad_input_under_load"])
+def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, checkpoints, config):
+    model = checkpoints[fz.CONFIG_CHECKPOINT.get(config, "qwen3_next")]
+    summary = fz.fuzz(model, engine_dir / "fuzz", seed=0, num_requests=40,
                       config=config, python=sys.executable, progress=lambda m: None)
     off, on = summary["runs"]["off"], summary["runs"]["on"]
     assert on["fresh_decode_steps"] > 0
     assert off["mismatches"] > 0, "the fuzz must be able to fail: pass off reads stale state"
     assert on["mismatches"] == 0, on["examples"]
+    if config == "preempt_prefix_hits":  # the paths this configuration exists for
+        assert on["preemptions"] > 0 and on["resumed_after_preemption"] > 0
+        assert on["resume_references"] > 0 and on["prefix_cache_hits"] > 0
+        assert on["trace"]["rows"]["continuation"] > 0
+    if config == "bad_input_under_load":
+        assert on["rejected"] > 0 and on["aborted"] > 0

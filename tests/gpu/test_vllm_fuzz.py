@@ -1,0 +1,82 @@
+"""The scheduling fuzz in real CUDA vLLM (0.26 on the H200), every configuration at once.
+
+Per configuration, ``GDN_PASS_GPU_FUZZ_REQUESTS`` requests (default 2000)
+run with the pass off and on, each compared with its prompt alone on fresh
+state (``gdn_pass/examples/fuzz.py``); the engines of all configurations
+share the GPU. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
+parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps the summaries.
+The benchmark form, which also writes the tables, is
+``python benchmarks/fuzz_scheduling.py --gpu ...``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared/gpu-vllm)")
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from fuzz_scheduling import GPU_ENGINE, gpu_engine_env  # noqa: E402
+
+from gdn_pass.examples import fuzz as fz  # noqa: E402
+from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+
+REQUESTS = int(os.environ.get("GDN_PASS_GPU_FUZZ_REQUESTS", "2000"))
+TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
+CONFIGS = ("preempt_prefix_hits", "mtp", "bad_input_under_load")
+
+
+@pytest.fixture(scope="module")
+def summaries(tmp_path_factory):
+    import torch
+
+    if torch.cuda.device_count() < TP:
+        pytest.skip(f"tensor_parallel_size={TP} needs {TP} GPUs")
+    workdir = tmp_path_factory.mktemp("gpu_fuzz")
+    engine_args = dict(GPU_ENGINE, **({"tensor_parallel_size": TP, "disable_custom_all_reduce": True}
+                                      if TP > 1 else {}))
+
+    def one(config):
+        kind = fz.CONFIG_CHECKPOINT.get(config, "qwen3_next")
+        model = write_checkpoint(kind, workdir / f"tiny_{kind}", seed=0)
+        try:
+            return config, fz.fuzz(model, workdir, seed=0, num_requests=REQUESTS, config=config,
+                                   engine_args={**engine_args, **fz.GPU_ENGINE_CONFIGS.get(config, {})},
+                                   parallel=6, reference_shards=4, engine_env=gpu_engine_env(workdir),
+                                   progress=lambda m: print(m, flush=True))
+        except RuntimeError as e:
+            return config, dict(error=str(e)[-3000:])
+
+    with ThreadPoolExecutor(len(CONFIGS)) as pool:
+        out = dict(pool.map(one, CONFIGS))
+    if os.environ.get("GDN_PASS_GPU_RESULTS"):
+        path = Path(os.environ["GDN_PASS_GPU_RESULTS"]) / f"gpu_fuzz_tp{TP}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+    return out
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
+    s = summaries[config]
+    assert "error" not in s, s.get("error")
+    off, on = s["runs"]["off"], s["runs"]["on"]
+    assert off["fresh_decode_steps"] > 0 and off["mismatches"] > 0, off["examples"]
+    assert on["mismatches"] == 0, on["examples"]
+    trace = on["trace"]
+    assert trace["ranks"] == TP and trace["ranks_agree"]
+    assert trace["plugin"]["hook_installed"], "a worker did not load the plugin's entry point"
+    assert trace["padded_graph_steps"] > 0, "no step replayed a padded CUDA graph"
+    if config == "preempt_prefix_hits":
+        assert on["preemptions"] > 0 and on["prefix_cache_hits"] > 0 and on["resume_references"] > 0
+    if config == "mtp":
+        assert trace["spec_steps"] > 0
+    if config == "bad_input_under_load":
+        assert on["rejected"] > 0 and on["aborted"] > 0

@@ -1,0 +1,75 @@
+"""How the scheduling fuzz judges one request against its reference (no engine).
+
+Hand-written results: what counts as a match, a near tie (a differing token
+where the reference's top two were within NEAR_TIE_TOL) and a mismatch, and
+how a preempted request is compared with its resume references.
+"""
+
+import json
+
+import pytest
+
+from gdn_pass.examples.fuzz import DRIFT_TOL, NEAR_TIE_TOL, FuzzRequest, _classify_resumed, classify
+
+
+def result(tokens, logprobs, tops=None, **extra):
+    tops = tops or [[[t, lp], [t + 1, lp - 1.0]] for t, lp in zip(tokens, logprobs)]
+    return dict(tokens=tokens, logprobs=logprobs, top=tops, **extra)
+
+
+REF = result([5, 6, 7, 8], [-1.0, -2.0, -0.5, -1.5],
+             tops=[[[5, -1.0], [9, -3.0]], [[6, -2.0], [4, -2.0 - NEAR_TIE_TOL / 2]],
+                   [[7, -0.5], [3, -0.9]], [[8, -1.5], [2, -4.0]]])
+
+
+def test_same_tokens_and_logprobs_match():
+    assert classify(REF, result([5, 6, 7, 8], [-1.0, -2.0, -0.5, -1.5], finished=True), 4)[0] == "match"
+
+
+def test_first_token_far_from_a_tie_is_a_mismatch():
+    kind, why = classify(REF, result([9, 6, 7, 8], [-1.2, -2.0, -0.5, -1.5], finished=True), 4)
+    assert kind == "mismatch" and "token #0" in why
+
+
+def test_token_at_a_near_tie_is_a_near_tie_and_the_rest_is_not_compared():
+    got = result([5, 4, 1, 1], [-1.0, -2.0, -9.0, -9.0], finished=True)
+    assert classify(REF, got, 4)[0] == "near_tie"
+
+
+def test_token_outside_the_references_top_is_a_mismatch():
+    assert classify(REF, result([5, 6, 99, 8], [-1.0, -2.0, -0.5, -1.5], finished=True), 4)[0] == "mismatch"
+
+
+@pytest.mark.parametrize("drift, kind", [(DRIFT_TOL * 0.9, "match"), (DRIFT_TOL * 1.1, "mismatch")])
+def test_logprob_drift_of_matching_tokens(drift, kind):
+    got = result([5, 6, 7, 8], [-1.0, -2.0 + drift, -0.5, -1.5], finished=True)
+    assert classify(REF, got, 4)[0] == kind
+
+
+def test_lengths_must_be_what_was_asked_unless_aborted():
+    assert classify(REF, result([5, 6, 7], [-1.0, -2.0, -0.5], finished=True), 4)[0] == "mismatch"
+    assert classify(REF, result([5, 6, 7], [-1.0, -2.0, -0.5], finished=True), 3)[0] == "match"
+    assert classify(REF, result([5, 6], [-1.0, -2.0], finished=False, aborted=True), 4)[0] == "match"
+    assert classify(REF, result([5, 6], [-1.0, -2.0], finished=False), 4)[0] == "mismatch"
+
+
+def test_rejections_must_agree():
+    rejected = dict(rejected="VLLMValidationError: too long")
+    assert classify(rejected, dict(rejected="VLLMValidationError: too long"), 1)[0] == "match"
+    assert classify(rejected, result([5], [-1.0], finished=True), 1)[0] == "mismatch"
+    assert classify(REF, rejected, 4)[0] == "mismatch"
+
+
+def test_preempted_request_is_compared_with_its_recompute_after_the_resume_point():
+    prompt = (1, 2)
+    r = FuzzRequest("q0", 0, prompt, 4, "long_output")
+    # vLLM recomputed prompt + [5, 6] and went on with 70, 71 (the resume reference's text)
+    resumed = result([70, 71], [-0.3, -0.4])
+    reference = {json.dumps(list(prompt)): REF, json.dumps([1, 2, 5, 6]): resumed}
+    got = result([5, 6, 70, 71], [-1.0, -2.0, -0.3, -0.4], finished=True)
+    assert _classify_resumed(reference, r, got, [2]) == ("match", None)
+    assert classify(REF, got, 4)[0] == "mismatch"  # against the prompt alone it differs
+    stale = result([5, 6, 80, 71], [-1.0, -2.0, -0.3, -0.4], finished=True)
+    kind, why = _classify_resumed(reference, r, stale, [2])
+    assert kind == "mismatch" and why.startswith("after resume at #2")
+    assert _classify_resumed({json.dumps(list(prompt)): REF}, r, got, [2])[0] == "mismatch"  # no reference
