@@ -27,6 +27,19 @@ the tokens after it are not compared (they continue a different text). A
 stale state changes the first token in most cases, far from any tie; the
 summary also reports the largest logprob drift among requests that matched.
 
+Two rows are judged by what vLLM really computes for them, both on fresh
+state: after a preemption vLLM recomputes the prompt and the tokens so far as
+a prefill, so the tokens after each resume point are compared with that
+prefix run alone ("resume reference"); and a fresh one-token row that vLLM
+runs through its prefill kernels (next to a chunk, in the prefill part of the
+batch) is compared with its prompt run next to an 8-token companion on fresh
+state, which takes the same kernels ("prefill-path reference"). Alone the
+row takes the decode kernels, and on the small-state checkpoint vLLM CPU's
+two paths disagree on a one-token row enough to change its first token, both
+on fresh state, with or without the pass: prompt [278] gives 192 (logprob
+-2.65) on the decode path and 292 (-3.44) on the prefill path; prompt [421]
+gives the same first token with logprobs 0.46 apart.
+
 Bad input under load (``bad_input_under_load``): requests aborted
 mid-stream, prompts at ``max_model_len`` (vLLM rejects or runs them, with the
 pass off and on alike), no ``max_tokens`` (generate to ``max_model_len``),
@@ -65,6 +78,8 @@ DRIFT_TOL = 0.15
 TOP_LOGPROBS = 5  # the reference's top tokens, to tell a near tie from a real difference
 TRACE_EXTENSION = "gdn_pass.examples.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
+PREFILL_PATH = "prefill-path:"
+_COMPANION = list(range(100, 108))  # one 8-token chunk
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
@@ -239,24 +254,38 @@ def _zero_all_caches(llm) -> None:
         zero(getattr(layer, "kv_cache", None))
 
 
-def run_reference(llm, prompts: dict[tuple[int, ...], int | None]) -> dict:
-    """Each prompt alone on zeroed state; ``prompts`` maps prompt -> max_tokens."""
+def prefill_path_key(prompt) -> str:
+    """Reference key of a one-token prompt run through vLLM's prefill path (see run_reference)."""
+    return PREFILL_PATH + json.dumps(list(prompt))
+
+
+def run_reference(llm, prompts: dict[str, int | None]) -> dict:
+    """Each prompt alone on zeroed state; ``prompts`` maps its key -> max_tokens.
+
+    A key ``prefill_path_key(prompt)`` runs the prompt next to a fresh
+    8-token companion in its first step, so that vLLM runs its one token
+    through the prefill kernels, as it does with a fresh one-token row next
+    to a chunk in the stream (alone, that row takes the decode kernels).
+    """
     engine, results = llm.llm_engine, {}
-    for prompt, max_tokens in prompts.items():
-        key = json.dumps(list(prompt))
+    for key, max_tokens in prompts.items():
+        prompt = json.loads(key.removeprefix(PREFILL_PATH))
         llm.reset_prefix_cache()
         _zero_all_caches(llm)
+        if key.startswith(PREFILL_PATH):
+            _add(engine, "companion", _COMPANION, 1)
         refused = _add(engine, "ref", prompt, max_tokens)
         if refused:
             results[key] = dict(rejected=refused)
         while engine.has_unfinished_requests():
             for out in engine.step():
-                if out.finished:
+                if out.finished and out.request_id.startswith("ref"):
                     results[key] = dict(_output(out), max_tokens=max_tokens)
     return results
 
 
-def run_stream(llm, stream: list[FuzzRequest]) -> dict:
+def run_stream(llm, stream: list[FuzzRequest], trace_detail: bool = False) -> dict:
+    """The stream in one engine; ``trace_detail`` also returns every step's rows by request id."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preempted, preempted_at = [], {}
@@ -271,7 +300,7 @@ def run_stream(llm, stream: list[FuzzRequest]) -> dict:
         return original(self, request, *args, **kwargs)
 
     Scheduler._preempt_request = preempt
-    traced = llm.collective_rpc("gdn_trace_start")
+    traced = llm.collective_rpc("gdn_trace_start", kwargs=dict(detail=trace_detail))
     engine, results, pending, step = llm.llm_engine, {}, list(stream), 0
     last_output, started = 0, time.time()
     aborts = sorted((r.arrival_step + r.abort_after, r.rid) for r in stream if r.abort_after is not None)
@@ -306,11 +335,12 @@ def run_stream(llm, stream: list[FuzzRequest]) -> dict:
                                f"{len(stream)} requests done, {len(preempted)} preemptions")
     Scheduler._preempt_request = original
     traces = llm.collective_rpc("gdn_trace_summary") if all(traced) else []
+    details = llm.collective_rpc("gdn_trace_details")[0] if trace_detail else None
     return dict(results=results, steps=step, preemptions=len(preempted),
                 preempted_requests=len(set(preempted)), preempted_ids=sorted(set(preempted)),
                 preempted_at=preempted_at,
                 prefix_cache_hits=sum(r.get("cached_tokens", 0) > 0 for r in results.values()),
-                traces=traces, fresh_decode_steps=traces[0]["fresh_decode_steps"] if traces else None)
+                traces=traces, step_details=details, fresh_decode_steps=traces[0]["fresh_decode_steps"] if traces else None)
 
 
 def _engine_main(args) -> None:
@@ -322,11 +352,10 @@ def _engine_main(args) -> None:
                    **{**engine_settings(spec["config"]), **spec.get("engine_args", {})})
     start = time.time()
     if spec["role"] == "reference":
-        prompts = {tuple(json.loads(p)): n for p, n in spec["prompts"].items()}
-        out = dict(results=run_reference(llm, prompts))
+        out = dict(results=run_reference(llm, spec["prompts"]))
     else:
         stream = [FuzzRequest(**{**r, "prompt": tuple(r["prompt"])}) for r in spec["stream"]]
-        out = run_stream(llm, stream)
+        out = run_stream(llm, stream, trace_detail=spec.get("trace_detail", False))
     out["run_s"] = round(time.time() - start, 1)
     Path(args.out).write_text(json.dumps(out))
 
@@ -407,6 +436,20 @@ def classify(reference: dict, got: dict, max_tokens: int | None) -> tuple[str, s
     return "match", None
 
 
+def _one_token_paths(run: dict) -> dict[str, str]:
+    traces = run.get("traces") or [{}]
+    return {re.sub(r"-[0-9a-f]{8}$", "", rid): path
+            for rid, path in traces[0].get("one_token_paths", {}).items()}
+
+
+def _base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
+    """The reference a request's first tokens are judged by: its prompt alone, or, for a
+    one-token prompt that vLLM ran through its prefill kernels, the same on that path."""
+    if len(r.prompt) == 1 and paths.get(r.rid) == "prefill":
+        return prefill_path_key(r.prompt)
+    return json.dumps(list(r.prompt))
+
+
 def _resume_points(run: dict, rid: str) -> list[int]:
     """Output-token counts at which vLLM resumed the request by recomputing (0 excluded)."""
     return sorted({k for k in run.get("preempted_at", {}).get(rid, []) if k > 0})
@@ -417,10 +460,13 @@ def _segment(result: dict, a: int, b: int | None) -> dict:
                 aborted=True)  # compared as a prefix of its reference
 
 
-def _classify_resumed(reference: dict, r: FuzzRequest, got: dict, resumed: list[int]):
+def _classify_resumed(reference: dict, r: FuzzRequest, got: dict, resumed: list[int],
+                      base_key: str | None = None):
     """``classify``, where the tokens after each resume point are compared with
     the prompt + tokens so far run alone (vLLM's recompute) instead."""
-    ref = reference[json.dumps(list(r.prompt))]
+    ref = reference.get(base_key or json.dumps(list(r.prompt)))
+    if ref is None:
+        return "mismatch", f"no reference {base_key}"
     if not resumed or "tokens" not in got:
         return classify(ref, got, r.max_tokens)
     bounds = [0] + resumed + [None]
@@ -443,13 +489,13 @@ def _classify_resumed(reference: dict, r: FuzzRequest, got: dict, resumed: list[
     return worst
 
 
-def _resumed_drift(reference: dict, r: FuzzRequest, got: dict, resumed: list[int]) -> float:
+def _resumed_drift(reference: dict, r: FuzzRequest, got: dict, resumed: list[int], base_key: str) -> float:
     """Largest logprob drift of a matching request, each segment against its own reference."""
     if "tokens" not in got:
         return 0.0
     bounds = [0] + resumed + [None]
-    return max(_logprob_drift(reference[json.dumps(list(r.prompt) + got["tokens"][:a])],
-                              _segment(got, a, b)) for a, b in zip(bounds, bounds[1:]))
+    keys = [base_key] + [json.dumps(list(r.prompt) + got["tokens"][:a]) for a in resumed]
+    return max(_logprob_drift(reference[k], _segment(got, a, b)) for k, (a, b) in zip(keys, zip(bounds, bounds[1:])))
 
 
 def _row_kind_totals(traces: list[dict]) -> dict:
@@ -523,15 +569,22 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     resume_wanted = {}
     for guard in guards:
         run = ran[f"stream_{config}_s{seed}_{guard}"]
+        paths = _one_token_paths(run)
         for r in stream:
             got = run["results"].get(r.rid)
+            key = _base_key(r, paths)
+            have = reference.get(key, {}).get("max_tokens", 0)
+            if key.startswith(PREFILL_PATH) and have is not None and (r.max_tokens is None or have < r.max_tokens):
+                old = resume_wanted.get(key, 0)
+                resume_wanted[key] = None if None in (r.max_tokens, old) else max(r.max_tokens, old)
             for k in _resume_points(run, r.rid):
                 if got and "tokens" in got and k < len(got["tokens"]):
                     key = json.dumps(list(r.prompt) + got["tokens"][:k])
                     if key not in reference:
                         resume_wanted[key] = None if r.max_tokens is None else r.max_tokens - k
     if resume_wanted:
-        progress(f"resume references: {len(resume_wanted)} preempted prefix(es) alone ...")
+        progress(f"second references: {len(resume_wanted)} preempted prefix(es) and one-token "
+                 "prompts on vLLM's prefill path ...")
         keys, jobs = list(resume_wanted), []
         for shard in range(min(reference_shards, len(keys))):
             spec = dict(role="reference", model=str(model), guard=False, config=config,
@@ -544,17 +597,19 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         cache_path.write_text(json.dumps(reference))
     for guard in guards:
         run = ran[f"stream_{config}_s{seed}_{guard}"]
+        paths = _one_token_paths(run)
         preempted = set(run.get("preempted_ids", ()))
         outcome: dict[str, dict[str, str]] = {"mismatch": {}, "near_tie": {}}
         drift, preempted_mismatches = 0.0, {}
         for r in stream:
-            ref, got = reference[json.dumps(list(r.prompt))], run["results"].get(r.rid)
+            got = run["results"].get(r.rid)
             if got is None:
                 outcome["mismatch"][r.rid] = f"{r.kind}: no output"
                 continue
-            kind, why = _classify_resumed(reference, r, got, _resume_points(run, r.rid))
+            base = _base_key(r, paths)
+            kind, why = _classify_resumed(reference, r, got, _resume_points(run, r.rid), base)
             if kind == "match":
-                drift = max(drift, _resumed_drift(reference, r, got, _resume_points(run, r.rid)))
+                drift = max(drift, _resumed_drift(reference, r, got, _resume_points(run, r.rid), base))
                 continue
             outcome[kind][r.rid] = f"{r.kind}: {why}"
             if kind == "mismatch" and r.rid in preempted:
@@ -568,12 +623,23 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             preemptions=run["preemptions"], preempted_requests=run.get("preempted_requests"),
             resumed_after_preemption=sum(1 for rid in preempted if results.get(rid, {}).get("finished")),
             resume_references=sum(len(_resume_points(run, r.rid)) for r in stream),
+            one_token_prompts_on_prefill_path=sum(_base_key(r, paths).startswith(PREFILL_PATH) for r in stream),
             prefix_cache_hits=run.get("prefix_cache_hits"), run_s=run["run_s"],
             rejected=sum("rejected" in v for v in results.values()),
             aborted=sum(bool(v.get("aborted")) for v in results.values()),
             mismatches_of_preempted=len(preempted_mismatches),
             trace=_row_kind_totals(run.get("traces", [])),
             mismatched_ids=sorted(outcome["mismatch"]), near_tie_ids=sorted(outcome["near_tie"]))
+    if {"off", "on"} <= set(guards):
+        # Requests whose output the pass changed: each must be one it fixes (a
+        # pass-off mismatch) or a near tie; anything else it changed wrongly.
+        off_run, on_run = (ran[f"stream_{config}_s{seed}_{g}"]["results"] for g in ("off", "on"))
+        changed = sorted(r.rid for r in stream
+                         if off_run.get(r.rid, {}).get("tokens") != on_run.get(r.rid, {}).get("tokens"))
+        explained = (set(summary["runs"]["off"]["mismatched_ids"]) | set(summary["runs"]["off"]["near_tie_ids"])
+                     | set(summary["runs"]["on"]["near_tie_ids"]))
+        summary["changed_by_pass"] = len(changed)
+        summary["changed_by_pass_unexplained"] = sorted(set(changed) - explained)
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 

@@ -52,11 +52,15 @@ def row_kinds(query_lens, num_computed_tokens, num_decodes: int, num_prefills: i
 class StepTrace:
     """Worker extension: methods vLLM adds to each worker (see module docstring)."""
 
-    def gdn_trace_start(self) -> bool:
+    def gdn_trace_start(self, detail: bool = False) -> bool:
+        """Start recording; ``detail`` also keeps each step's rows by request id."""
         from gdn_pass.vllm import compat
 
         state = _ACTIVE.setdefault("state", dict(steps=[], dispatch=None, builder=None))
         state["steps"].clear()
+        state["detail"] = detail
+        state["one_token_paths"] = {}
+        state["runner"] = getattr(self, "model_runner", None)
         if _ACTIVE.get("installed"):
             return True
         builder_class = compat.builder_class()
@@ -78,6 +82,17 @@ class StepTrace:
                     real_rows=int((qlens > 0).sum()),
                     slot_rows=None if slots is None else int(slots.shape[0]),
                     dispatch=state["dispatch"]))
+                ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
+                # The kernel path of each fresh one-token row (the last time it was fresh: a
+                # request preempted before its first token is fresh again when resumed).
+                for rid, c, q in zip(ids, computed.tolist(), qlens.tolist()):
+                    if c == 0 and q == 1:
+                        state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
+                if state["detail"]:
+                    all_slots = [] if slots is None else slots.tolist()
+                    state["steps"][-1]["detail"] = dict(
+                        req_ids=ids[: m.num_reqs], query_lens=qlens.tolist(), computed=computed.tolist(),
+                        slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills)
                 state["dispatch"] = None
             return md
 
@@ -99,8 +114,12 @@ class StepTrace:
         _ACTIVE["installed"] = True
         return True
 
+    def gdn_trace_details(self) -> list[dict]:
+        return [s.get("detail") for s in _ACTIVE.get("state", {}).get("steps", [])]
+
     def gdn_trace_summary(self) -> dict:
-        steps = _ACTIVE.get("state", {}).get("steps", [])
+        state = _ACTIVE.get("state", {})
+        steps = state.get("steps", [])
         rows: Counter = Counter()
         modes: Counter = Counter()
         fresh_decode = padded_graph = fresh_in_padded_full = 0
@@ -121,4 +140,5 @@ class StepTrace:
         return dict(steps=len(steps), rows=dict(rows), cudagraph_modes=dict(modes), plugin=plugin,
                     fresh_decode_steps=fresh_decode, padded_graph_steps=padded_graph,
                     fresh_decode_in_padded_full_graph=fresh_in_padded_full,
+                    one_token_paths=dict(state.get("one_token_paths", {})),
                     spec_steps=sum(s["rows"]["spec"] > 0 for s in steps))

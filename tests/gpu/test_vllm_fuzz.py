@@ -70,6 +70,7 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     off, on = s["runs"]["off"], s["runs"]["on"]
     assert off["fresh_decode_steps"] > 0 and off["mismatches"] > 0, off["examples"]
     assert on["mismatches"] == 0, on["examples"]
+    assert s["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
     trace = on["trace"]
     assert trace["ranks"] == TP and trace["ranks_agree"]
     assert trace["plugin"]["hook_installed"], "a worker did not load the plugin's entry point"

@@ -64,6 +64,7 @@ def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, che
     assert on["fresh_decode_steps"] > 0
     assert off["mismatches"] > 0, "the fuzz must be able to fail: pass off reads stale state"
     assert on["mismatches"] == 0, on["examples"]
+    assert summary["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
     if config == "preempt_prefix_hits":  # the paths this configuration exists for
         assert on["preemptions"] > 0 and on["resumed_after_preemption"] > 0
         assert on["resume_references"] > 0 and on["prefix_cache_hits"] > 0
