@@ -536,7 +536,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             wanted[key] = None if (r.max_tokens is None or old is None) else max(old, r.max_tokens)
     start = time.time()
     jobs = []
-    if wanted:
+    # One engine at a time (CPU): every reference waits for the streams and runs
+    # in one engine (one start fewer); otherwise the prompts' references run
+    # beside the streams and only the second references wait.
+    deferred = dict(wanted) if parallel <= 1 else {}
+    if wanted and not deferred:
         progress(f"reference: {len(wanted)} prompt(s) alone on zeroed state, {reference_shards} engine(s) ...")
         keys = list(wanted)
         for shard in range(reference_shards):
@@ -556,7 +560,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     for name, out in ran.items():
         if name.startswith("reference_"):
             reference.update(out["results"])
-    if wanted:
+    if wanted and not deferred:
         cache_path.write_text(json.dumps(reference))
     summary = dict(seed=seed, config=config, requests=num_requests,
                    one_token_requests=sum(r.kind == "one_token" for r in stream),
@@ -566,7 +570,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     # of its prompt and the tokens it had: from there on its reference is that
     # prefill run alone (a "resume reference"), not the decode steps of the
     # prompt run alone. Those references need the stream's tokens: second phase.
-    resume_wanted = {}
+    resume_wanted = deferred
     for guard in guards:
         run = ran[f"stream_{config}_s{seed}_{guard}"]
         paths = _one_token_paths(run)
@@ -580,11 +584,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             for k in _resume_points(run, r.rid):
                 if got and "tokens" in got and k < len(got["tokens"]):
                     key = json.dumps(list(r.prompt) + got["tokens"][:k])
-                    if key not in reference:
+                    if key not in reference and key not in resume_wanted:
                         resume_wanted[key] = None if r.max_tokens is None else r.max_tokens - k
     if resume_wanted:
-        progress(f"second references: {len(resume_wanted)} preempted prefix(es) and one-token "
-                 "prompts on vLLM's prefill path ...")
+        progress(f"references: {len(resume_wanted)} (prompts alone{' (all)' if deferred else ''}, "
+                 "preempted prefixes, one-token prompts on vLLM's prefill path) ...")
         keys, jobs = list(resume_wanted), []
         for shard in range(min(reference_shards, len(keys))):
             spec = dict(role="reference", model=str(model), guard=False, config=config,
