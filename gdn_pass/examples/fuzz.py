@@ -91,8 +91,9 @@ ENGINE_CONFIGS: dict[str, dict] = {
     # prefix-cache hits in "align" mode and preemptions both happen.
     "preempt_prefix_hits": dict(enable_prefix_caching=True, max_model_len=512,
                                 num_gpu_blocks_override=_PREEMPT_BLOCKS),
-    # Aborts, prompts at max_model_len, no max_tokens, bursts beyond the pool.
-    "bad_input_under_load": dict(enable_prefix_caching=True),
+    # Aborts, prompts at max_model_len, no max_tokens, bursts beyond the pool;
+    # prefix caching off (mamba cache mode "none"), the other configurations' complement.
+    "bad_input_under_load": dict(enable_prefix_caching=False),
     # Speculative decoding (GPU only: vLLM's CPU backend has no MTP): fresh
     # rows padded into speculative rows, next to speculating decodes.
     "mtp": dict(enable_prefix_caching=False,
