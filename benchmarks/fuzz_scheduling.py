@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz import (CONFIG_CHECKPOINT, DRIFT_TOL, ENGINE_CONFIGS,  # noqa: E402
-                                   GPU_ENGINE_CONFIGS, NEAR_TIE_TOL, fuzz)
+from gdn_pass.examples.fuzz import CONFIG_CHECKPOINT, ENGINE_CONFIGS, GPU_ENGINE_CONFIGS, fuzz  # noqa: E402
+from gdn_pass.examples.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL  # noqa: E402
 from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 # What vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md), per engine.

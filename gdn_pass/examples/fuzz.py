@@ -13,9 +13,9 @@ alone on fresh state.
                 tests/vllm/test_fuzz.py). Results are cached by prompt.
     stream    : the stream in one engine, pass off or on.
 
-What counts as a mismatch: a different greedy token, or a logprob off by
-more than DRIFT_TOL. The tolerance is not zero because a row is not always
-run by the same kernels: alone, a one-token prompt takes the decode kernel;
+What counts as a mismatch (``fuzz_judge``): a different greedy token, or a
+logprob off by more than DRIFT_TOL. The tolerance is not zero because a row
+is not always run by the same kernels: alone, a one-token prompt takes the decode kernel;
 next to a prefill it takes the chunked-prefill kernel; a preempted request is
 recomputed as a prefill; and on the GPU every batch size has its own kernel
 tiles and CUDA graph. These differ by a few 1e-2 in logprob in bfloat16.
@@ -66,19 +66,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["FuzzRequest", "make_stream", "fuzz", "classify", "NEAR_TIE_TOL", "DRIFT_TOL", "ENGINE_CONFIGS",
-           "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
+from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, one_token_paths,
+                                         prefill_path_key, resume_points, resumed_drift)
 
-NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
-# Matching tokens whose logprobs differ by more than this are a mismatch. The
-# largest kernel drift seen (a one-token prompt's first step run by the
-# chunked-prefill kernel next to a chunk vs the decode kernel alone, bf16 CPU
-# op, small-state checkpoint) is 0.105, identical with the pass off and on.
-DRIFT_TOL = 0.15
+__all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
+
 TOP_LOGPROBS = 5  # the reference's top tokens, to tell a near tie from a real difference
 TRACE_EXTENSION = "gdn_pass.examples.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
-PREFILL_PATH = "prefill-path:"
 _COMPANION = list(range(100, 108))  # one 8-token chunk
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
@@ -255,11 +250,6 @@ def _zero_all_caches(llm) -> None:
         zero(getattr(layer, "kv_cache", None))
 
 
-def prefill_path_key(prompt) -> str:
-    """Reference key of a one-token prompt run through vLLM's prefill path (see run_reference)."""
-    return PREFILL_PATH + json.dumps(list(prompt))
-
-
 def run_reference(llm, prompts: dict[str, int | None]) -> dict:
     """Each prompt alone on zeroed state; ``prompts`` maps its key -> max_tokens.
 
@@ -403,102 +393,6 @@ def _run_engine(spec: dict, workdir: Path, name: str, python: str) -> dict:
     return _finish_engine(_start_engine(spec, workdir, name, python, {}))
 
 
-def _logprob_drift(reference: dict, got: dict) -> float:
-    return max((abs(a - b) for a, b in zip(got["logprobs"], reference["logprobs"])), default=0.0)
-
-
-def classify(reference: dict, got: dict, max_tokens: int | None) -> tuple[str, str | None]:
-    """``("match" | "near_tie" | "mismatch", why)`` of a stream result against its reference.
-
-    A token that differs where the reference's own logprob of the stream's
-    token is within NEAR_TIE_TOL of its chosen one is a near tie: batch-shape
-    numerics, not state. A rejection must be the same rejection.
-    """
-    if "rejected" in reference or "rejected" in got:
-        same = ("rejected" in reference) == ("rejected" in got)
-        return ("match", None) if same else (
-            "mismatch", f"rejected {'by the stream' if 'rejected' in got else 'by the reference'}: "
-                        f"{got.get('rejected') or reference.get('rejected')}")
-    n = len(got["tokens"])
-    for i, (a, b) in enumerate(zip(got["tokens"], reference["tokens"])):
-        if abs(got["logprobs"][i] - reference["logprobs"][i]) > DRIFT_TOL and a == b:
-            return "mismatch", f"logprob diff {abs(got['logprobs'][i] - reference['logprobs'][i]):.2e} at #{i}"
-        if a != b:
-            ref_top = dict((int(t), lp) for t, lp in reference["top"][i])
-            gap = reference["logprobs"][i] - ref_top[a] if a in ref_top else float("inf")
-            why = f"token #{i}: {a} instead of {b} (reference gap {gap:.3f})"
-            return ("near_tie" if gap <= NEAR_TIE_TOL else "mismatch"), why
-    if got.get("aborted"):
-        return ("match", None) if n <= len(reference["tokens"]) else ("mismatch", f"{n} tokens")
-    # the reference ran with at least this max_tokens; max_model_len may have cut both
-    expected = min(len(reference["tokens"]), max_tokens or len(reference["tokens"]))
-    if not got.get("finished") or n != expected:
-        return "mismatch", f"{'finished' if got.get('finished') else 'stopped'} with {n} tokens, not {expected}"
-    return "match", None
-
-
-def _one_token_paths(run: dict) -> dict[str, str]:
-    traces = run.get("traces") or [{}]
-    return {re.sub(r"-[0-9a-f]{8}$", "", rid): path
-            for rid, path in traces[0].get("one_token_paths", {}).items()}
-
-
-def _base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
-    """The reference a request's first tokens are judged by: its prompt alone, or, for a
-    one-token prompt that vLLM ran through its prefill kernels, the same on that path."""
-    if len(r.prompt) == 1 and paths.get(r.rid) == "prefill":
-        return prefill_path_key(r.prompt)
-    return json.dumps(list(r.prompt))
-
-
-def _resume_points(run: dict, rid: str) -> list[int]:
-    """Output-token counts at which vLLM resumed the request by recomputing (0 excluded)."""
-    return sorted({k for k in run.get("preempted_at", {}).get(rid, []) if k > 0})
-
-
-def _segment(result: dict, a: int, b: int | None) -> dict:
-    return dict(tokens=result["tokens"][a:b], logprobs=result["logprobs"][a:b], top=result["top"][a:b],
-                aborted=True)  # compared as a prefix of its reference
-
-
-def _classify_resumed(reference: dict, r: FuzzRequest, got: dict, resumed: list[int],
-                      base_key: str | None = None):
-    """``classify``, where the tokens after each resume point are compared with
-    the prompt + tokens so far run alone (vLLM's recompute) instead."""
-    ref = reference.get(base_key or json.dumps(list(r.prompt)))
-    if ref is None:
-        return "mismatch", f"no reference {base_key}"
-    if not resumed or "tokens" not in got:
-        return classify(ref, got, r.max_tokens)
-    bounds = [0] + resumed + [None]
-    worst = ("match", None)
-    for a, b in zip(bounds, bounds[1:]):
-        seg_ref = ref if a == 0 else reference.get(json.dumps(list(r.prompt) + got["tokens"][:a]))
-        if seg_ref is None:
-            return "mismatch", f"no resume reference at token #{a}"
-        kind, why = classify(seg_ref, _segment(got, 0 if a == 0 else a, b), None)
-        if kind == "mismatch":
-            return kind, (f"after resume at #{a}: " if a else "") + why
-        if kind == "near_tie" and worst[0] == "match":
-            # the next segment's reference is built from the stream's own
-            # tokens, so it stays comparable after a near tie here
-            worst = (kind, (f"after resume at #{a}: " if a else "") + why)
-    total = len(got["tokens"])
-    expected = min(len(ref["tokens"]), r.max_tokens or len(ref["tokens"]))
-    if not got.get("aborted") and (not got.get("finished") or total != expected):
-        return "mismatch", f"stopped with {total} tokens, not {expected}"
-    return worst
-
-
-def _resumed_drift(reference: dict, r: FuzzRequest, got: dict, resumed: list[int], base_key: str) -> float:
-    """Largest logprob drift of a matching request, each segment against its own reference."""
-    if "tokens" not in got:
-        return 0.0
-    bounds = [0] + resumed + [None]
-    keys = [base_key] + [json.dumps(list(r.prompt) + got["tokens"][:a]) for a in resumed]
-    return max(_logprob_drift(reference[k], _segment(got, a, b)) for k, (a, b) in zip(keys, zip(bounds, bounds[1:])))
-
-
 def _row_kind_totals(traces: list[dict]) -> dict:
     """Rank 0's trace (every rank schedules the same rows), and whether the ranks agree."""
     if not traces:
@@ -574,15 +468,15 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     resume_wanted = deferred
     for guard in guards:
         run = ran[f"stream_{config}_s{seed}_{guard}"]
-        paths = _one_token_paths(run)
+        paths = one_token_paths(run)
         for r in stream:
             got = run["results"].get(r.rid)
-            key = _base_key(r, paths)
+            key = base_key(r, paths)
             have = reference.get(key, {}).get("max_tokens", 0)
             if key.startswith(PREFILL_PATH) and have is not None and (r.max_tokens is None or have < r.max_tokens):
                 old = resume_wanted.get(key, 0)
                 resume_wanted[key] = None if None in (r.max_tokens, old) else max(r.max_tokens, old)
-            for k in _resume_points(run, r.rid):
+            for k in resume_points(run, r.rid):
                 if got and "tokens" in got and k < len(got["tokens"]):
                     key = json.dumps(list(r.prompt) + got["tokens"][:k])
                     if key not in reference and key not in resume_wanted:
@@ -602,7 +496,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         cache_path.write_text(json.dumps(reference))
     for guard in guards:
         run = ran[f"stream_{config}_s{seed}_{guard}"]
-        paths = _one_token_paths(run)
+        paths = one_token_paths(run)
         preempted = set(run.get("preempted_ids", ()))
         outcome: dict[str, dict[str, str]] = {"mismatch": {}, "near_tie": {}}
         drift, preempted_mismatches = 0.0, {}
@@ -611,10 +505,10 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             if got is None:
                 outcome["mismatch"][r.rid] = f"{r.kind}: no output"
                 continue
-            base = _base_key(r, paths)
-            kind, why = _classify_resumed(reference, r, got, _resume_points(run, r.rid), base)
+            base = base_key(r, paths)
+            kind, why = classify_resumed(reference, r, got, resume_points(run, r.rid), base)
             if kind == "match":
-                drift = max(drift, _resumed_drift(reference, r, got, _resume_points(run, r.rid), base))
+                drift = max(drift, resumed_drift(reference, r, got, resume_points(run, r.rid), base))
                 continue
             outcome[kind][r.rid] = f"{r.kind}: {why}"
             if kind == "mismatch" and r.rid in preempted:
@@ -627,8 +521,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             steps=run["steps"], fresh_decode_steps=run["fresh_decode_steps"],
             preemptions=run["preemptions"], preempted_requests=run.get("preempted_requests"),
             resumed_after_preemption=sum(1 for rid in preempted if results.get(rid, {}).get("finished")),
-            resume_references=sum(len(_resume_points(run, r.rid)) for r in stream),
-            one_token_prompts_on_prefill_path=sum(_base_key(r, paths).startswith(PREFILL_PATH) for r in stream),
+            resume_references=sum(len(resume_points(run, r.rid)) for r in stream),
+            one_token_prompts_on_prefill_path=sum(base_key(r, paths).startswith(PREFILL_PATH) for r in stream),
             prefix_cache_hits=run.get("prefix_cache_hits"), run_s=run["run_s"],
             rejected=sum("rejected" in v for v in results.values()),
             aborted=sum(bool(v.get("aborted")) for v in results.values()),

@@ -1,4 +1,4 @@
-"""How the scheduling fuzz judges one request against its reference (no engine).
+"""gdn_pass.examples.fuzz_judge: how the fuzz judges one request against its reference (no engine).
 
 Hand-written results: what counts as a match, a near tie (a differing token
 where the reference's top two were within NEAR_TIE_TOL) and a mismatch, and
@@ -9,7 +9,8 @@ import json
 
 import pytest
 
-from gdn_pass.examples.fuzz import DRIFT_TOL, NEAR_TIE_TOL, FuzzRequest, _classify_resumed, classify
+from gdn_pass.examples.fuzz import FuzzRequest
+from gdn_pass.examples.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed
 
 
 def result(tokens, logprobs, tops=None, **extra):
@@ -67,9 +68,9 @@ def test_preempted_request_is_compared_with_its_recompute_after_the_resume_point
     resumed = result([70, 71], [-0.3, -0.4])
     reference = {json.dumps(list(prompt)): REF, json.dumps([1, 2, 5, 6]): resumed}
     got = result([5, 6, 70, 71], [-1.0, -2.0, -0.3, -0.4], finished=True)
-    assert _classify_resumed(reference, r, got, [2]) == ("match", None)
+    assert classify_resumed(reference, r, got, [2]) == ("match", None)
     assert classify(REF, got, 4)[0] == "mismatch"  # against the prompt alone it differs
     stale = result([5, 6, 80, 71], [-1.0, -2.0, -0.3, -0.4], finished=True)
-    kind, why = _classify_resumed(reference, r, stale, [2])
+    kind, why = classify_resumed(reference, r, stale, [2])
     assert kind == "mismatch" and why.startswith("after resume at #2")
-    assert _classify_resumed({json.dumps(list(prompt)): REF}, r, got, [2])[0] == "mismatch"  # no reference
+    assert classify_resumed({json.dumps(list(prompt)): REF}, r, got, [2])[0] == "mismatch"  # no reference

@@ -1,0 +1,138 @@
+"""How the scheduling fuzz judges one request against its reference.
+
+    classify(reference, got, max_tokens)  -> ("match" | "near_tie" | "mismatch", why)
+
+A differing greedy token is a mismatch unless the reference's own logprob of
+the stream's token is within NEAR_TIE_TOL of its chosen one (a near tie:
+batch-shape numerics can flip such a choice, a clear one they cannot); the
+tokens after a near tie continue another text and are not compared. Matching
+tokens whose logprobs differ by more than DRIFT_TOL are a mismatch.
+
+Which reference: a request is judged by what vLLM computes for it on fresh
+state. Its first tokens by its prompt run alone or, for a one-token prompt
+that vLLM ran through its prefill kernels, by that prompt on the same path
+(``base_key``). After each preemption vLLM recomputes the prompt and the
+tokens so far as a prefill; the tokens after that resume point are judged by
+exactly that prefix run alone (``classify_resumed``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from gdn_pass.examples.fuzz import FuzzRequest
+
+__all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
+           "resumed_drift", "base_key", "resume_points", "one_token_paths", "logprob_drift"]
+
+NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
+# Matching tokens whose logprobs differ by more than this are a mismatch. The
+# largest kernel drift seen (a one-token prompt's first step run by the
+# chunked-prefill kernel next to a chunk vs the decode kernel alone, bf16 CPU
+# op, small-state checkpoint) is 0.105, identical with the pass off and on.
+DRIFT_TOL = 0.15
+PREFILL_PATH = "prefill-path:"  # reference key prefix: a one-token prompt on the prefill kernels
+
+
+def prefill_path_key(prompt) -> str:
+    """Reference key of a one-token prompt run through vLLM's prefill path (see run_reference)."""
+    return PREFILL_PATH + json.dumps(list(prompt))
+
+
+def logprob_drift(reference: dict, got: dict) -> float:
+    return max((abs(a - b) for a, b in zip(got["logprobs"], reference["logprobs"])), default=0.0)
+
+
+def classify(reference: dict, got: dict, max_tokens: int | None) -> tuple[str, str | None]:
+    """``("match" | "near_tie" | "mismatch", why)`` of a stream result against its reference.
+
+    A token that differs where the reference's own logprob of the stream's
+    token is within NEAR_TIE_TOL of its chosen one is a near tie: batch-shape
+    numerics, not state. A rejection must be the same rejection.
+    """
+    if "rejected" in reference or "rejected" in got:
+        same = ("rejected" in reference) == ("rejected" in got)
+        return ("match", None) if same else (
+            "mismatch", f"rejected {'by the stream' if 'rejected' in got else 'by the reference'}: "
+                        f"{got.get('rejected') or reference.get('rejected')}")
+    n = len(got["tokens"])
+    for i, (a, b) in enumerate(zip(got["tokens"], reference["tokens"])):
+        if abs(got["logprobs"][i] - reference["logprobs"][i]) > DRIFT_TOL and a == b:
+            return "mismatch", f"logprob diff {abs(got['logprobs'][i] - reference['logprobs'][i]):.2e} at #{i}"
+        if a != b:
+            ref_top = dict((int(t), lp) for t, lp in reference["top"][i])
+            gap = reference["logprobs"][i] - ref_top[a] if a in ref_top else float("inf")
+            why = f"token #{i}: {a} instead of {b} (reference gap {gap:.3f})"
+            return ("near_tie" if gap <= NEAR_TIE_TOL else "mismatch"), why
+    if got.get("aborted"):
+        return ("match", None) if n <= len(reference["tokens"]) else ("mismatch", f"{n} tokens")
+    # the reference ran with at least this max_tokens; max_model_len may have cut both
+    expected = min(len(reference["tokens"]), max_tokens or len(reference["tokens"]))
+    if not got.get("finished") or n != expected:
+        return "mismatch", f"{'finished' if got.get('finished') else 'stopped'} with {n} tokens, not {expected}"
+    return "match", None
+
+
+def one_token_paths(run: dict) -> dict[str, str]:
+    traces = run.get("traces") or [{}]
+    return {re.sub(r"-[0-9a-f]{8}$", "", rid): path
+            for rid, path in traces[0].get("one_token_paths", {}).items()}
+
+
+def base_key(r: "FuzzRequest", paths: dict[str, str]) -> str:
+    """The reference a request's first tokens are judged by: its prompt alone, or, for a
+    one-token prompt that vLLM ran through its prefill kernels, the same on that path."""
+    if len(r.prompt) == 1 and paths.get(r.rid) == "prefill":
+        return prefill_path_key(r.prompt)
+    return json.dumps(list(r.prompt))
+
+
+def resume_points(run: dict, rid: str) -> list[int]:
+    """Output-token counts at which vLLM resumed the request by recomputing (0 excluded)."""
+    return sorted({k for k in run.get("preempted_at", {}).get(rid, []) if k > 0})
+
+
+def _segment(result: dict, a: int, b: int | None) -> dict:
+    return dict(tokens=result["tokens"][a:b], logprobs=result["logprobs"][a:b], top=result["top"][a:b],
+                aborted=True)  # compared as a prefix of its reference
+
+
+def classify_resumed(reference: dict, r: "FuzzRequest", got: dict, resumed: list[int],
+                      first_key: str | None = None):
+    """``classify``, where the tokens after each resume point are compared with
+    the prompt + tokens so far run alone (vLLM's recompute) instead."""
+    ref = reference.get(first_key or json.dumps(list(r.prompt)))
+    if ref is None:
+        return "mismatch", f"no reference {first_key}"
+    if not resumed or "tokens" not in got:
+        return classify(ref, got, r.max_tokens)
+    bounds = [0] + resumed + [None]
+    worst = ("match", None)
+    for a, b in zip(bounds, bounds[1:]):
+        seg_ref = ref if a == 0 else reference.get(json.dumps(list(r.prompt) + got["tokens"][:a]))
+        if seg_ref is None:
+            return "mismatch", f"no resume reference at token #{a}"
+        kind, why = classify(seg_ref, _segment(got, 0 if a == 0 else a, b), None)
+        if kind == "mismatch":
+            return kind, (f"after resume at #{a}: " if a else "") + why
+        if kind == "near_tie" and worst[0] == "match":
+            # the next segment's reference is built from the stream's own
+            # tokens, so it stays comparable after a near tie here
+            worst = (kind, (f"after resume at #{a}: " if a else "") + why)
+    total = len(got["tokens"])
+    expected = min(len(ref["tokens"]), r.max_tokens or len(ref["tokens"]))
+    if not got.get("aborted") and (not got.get("finished") or total != expected):
+        return "mismatch", f"stopped with {total} tokens, not {expected}"
+    return worst
+
+
+def resumed_drift(reference: dict, r: "FuzzRequest", got: dict, resumed: list[int], first_key: str) -> float:
+    """Largest logprob drift of a matching request, each segment against its own reference."""
+    if "tokens" not in got:
+        return 0.0
+    bounds = [0] + resumed + [None]
+    keys = [first_key] + [json.dumps(list(r.prompt) + got["tokens"][:a]) for a in resumed]
+    return max(logprob_drift(reference[k], _segment(got, a, b)) for k, (a, b) in zip(keys, zip(bounds, bounds[1:])))
