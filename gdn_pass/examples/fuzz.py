@@ -8,7 +8,8 @@ request's greedy tokens and logprobs are compared with the same prompt run
 alone on fresh state.
 
     reference : one engine runs each prompt alone; before each, every state
-                and KV cache is zeroed and the prefix cache reset, which is
+                and KV cache is zeroed in every worker (``StepTrace.
+                gdn_zero_caches``) and the prefix cache reset, which is
                 what a fresh engine holds (checked against a fresh engine in
                 tests/vllm/test_fuzz.py). Results are cached by prompt.
     stream    : the stream in one engine, pass off or on.
@@ -234,20 +235,10 @@ def _add(engine, rid: str, prompt, max_tokens) -> str | None:
 
 
 def _zero_all_caches(llm) -> None:
-    """Every layer's KV / conv / recurrent cache to zero: a fresh engine's state."""
-    import torch
-
-    context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
-
-    def zero(x):
-        if isinstance(x, torch.Tensor):
-            x.zero_()
-        elif isinstance(x, (list, tuple)):
-            for item in x:
-                zero(item)
-
-    for layer in context.values():
-        zero(getattr(layer, "kv_cache", None))
+    """Every layer's KV / conv / recurrent cache to zero in every worker: a fresh engine's state."""
+    zeroed = llm.collective_rpc("gdn_zero_caches")
+    if not all(zeroed):
+        raise RuntimeError(f"a worker had no cache to zero ({zeroed}): the reference would not be fresh")
 
 
 def run_reference(llm, prompts: dict[str, int | None]) -> dict:

@@ -13,8 +13,10 @@ it into every worker, and the driver asks each rank through
 
 Per step it records the rows of one GDN builder (every GDN group sees the
 same requests) and, where the runner has it, the CUDA-graph dispatch of that
-step (mode, real and padded token counts). Test instrumentation only: the
-plugin itself never installs it.
+step (mode, real and padded token counts). ``gdn_zero_caches`` zeroes the
+worker's caches, which is how the fuzz's reference engine starts each prompt
+from a fresh engine's state. Test instrumentation only: the plugin itself
+never installs it.
 """
 
 from __future__ import annotations
@@ -113,6 +115,30 @@ class StepTrace:
             runner._determine_batch_execution_and_padding = determine
         _ACTIVE["installed"] = True
         return True
+
+    def gdn_zero_caches(self) -> int:
+        """Zero every layer's KV / conv / recurrent cache in this worker: a fresh engine's state.
+
+        The caches live in the workers (one process per rank under tensor
+        parallelism), so zeroing must run here, not in the driver. Returns
+        the number of tensors zeroed.
+        """
+        import torch
+
+        context = self.vllm_config.compilation_config.static_forward_context
+        zeroed = [0]
+
+        def zero(x):
+            if isinstance(x, torch.Tensor):
+                x.zero_()
+                zeroed[0] += 1
+            elif isinstance(x, (list, tuple)):
+                for item in x:
+                    zero(item)
+
+        for layer in context.values():
+            zero(getattr(layer, "kv_cache", None))
+        return zeroed[0]
 
     def gdn_trace_details(self) -> list[dict]:
         return [s.get("detail") for s in _ACTIVE.get("state", {}).get("steps", [])]
