@@ -2,7 +2,8 @@
 
 Hand-written results: what counts as a match, a near tie (a differing token
 where the reference's top two were within NEAR_TIE_TOL) and a mismatch, and
-how a preempted request is compared with its resume references.
+how a preempted request is compared with its resume references, and which
+requests the pass changed without acting on them.
 """
 
 import json
@@ -10,7 +11,7 @@ import json
 import pytest
 
 from gdn_pass.examples.fuzz import FuzzRequest
-from gdn_pass.examples.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed
+from gdn_pass.examples.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, perturbed_by_pass
 
 
 def result(tokens, logprobs, tops=None, **extra):
@@ -74,3 +75,28 @@ def test_preempted_request_is_compared_with_its_recompute_after_the_resume_point
     kind, why = classify_resumed(reference, r, stale, [2])
     assert kind == "mismatch" and why.startswith("after resume at #2")
     assert classify_resumed({json.dumps(list(prompt)): REF}, r, got, [2])[0] == "mismatch"  # no reference
+
+
+def test_pass_on_stream_equal_to_pass_off_perturbs_nothing():
+    off = {"q0": result([5, 6], [-1.0, -2.0]), "q1": dict(rejected="too long")}
+    assert perturbed_by_pass(off, json.loads(json.dumps(off)), acted_on=set()) == {}
+
+
+def test_a_logprob_changed_in_a_row_the_guard_never_touched_is_perturbed():
+    # a live row whose state the guard damaged slightly: same tokens, logprobs off from #2 on
+    off = {"q0": result([5, 6, 7, 8], [-1.0, -2.0, -0.5, -1.5]), "q1": result([3], [-0.25])}
+    on = {"q0": result([5, 6, 7, 8], [-1.0, -2.0, -0.5 + 2 ** -10, -1.49]), "q1": result([3], [-0.25])}
+    assert perturbed_by_pass(off, on, acted_on=set()) == {"q0": 2}
+
+
+def test_a_changed_token_is_perturbed_at_its_position():
+    off = {"q0": result([5, 6, 7], [-1.0, -2.0, -0.5])}
+    on = {"q0": result([5, 9, 7], [-1.0, -2.0, -0.5])}
+    assert perturbed_by_pass(off, on, acted_on=set()) == {"q0": 1}
+
+
+def test_rows_the_guard_acted_on_may_change():
+    off = {"q0": result([5, 6], [-1.0, -2.0]), "q1": result([4], [-3.0])}
+    on = {"q0": result([7, 6], [-0.5, -2.0]), "q1": result([4], [-3.0])}
+    assert perturbed_by_pass(off, on, acted_on={"q0"}) == {}
+    assert perturbed_by_pass(off, on, acted_on=set()) == {"q0": 0}

@@ -67,8 +67,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, one_token_paths,
-                                         prefill_path_key, resume_points, resumed_drift)
+from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, fresh_reads,
+                                         one_token_paths, perturbed_by_pass, prefill_path_key, resume_points,
+                                         resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
 
@@ -473,7 +474,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                     if key not in reference and key not in resume_wanted:
                         resume_wanted[key] = None if r.max_tokens is None else r.max_tokens - k
     if resume_wanted:
-        progress(f"references: {len(resume_wanted)} (prompts alone{' (all)' if deferred else ''}, "
+        progress(f"references: {len(resume_wanted)} (prompts alone{' (all)' if parallel <= 1 else ''}, "
                  "preempted prefixes, one-token prompts on vLLM's prefill path) ...")
         keys, jobs = list(resume_wanted), []
         for shard in range(min(reference_shards, len(keys))):
@@ -530,6 +531,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                      | set(summary["runs"]["on"]["near_tie_ids"]))
         summary["changed_by_pass"] = len(changed)
         summary["changed_by_pass_unexplained"] = sorted(set(changed) - explained)
+        # Every request the guard did not act on must come out bit for bit the same.
+        perturbed = perturbed_by_pass(off_run, on_run, set(fresh_reads(ran[f"stream_{config}_s{seed}_on"])))
+        summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 

@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from gdn_pass.examples.fuzz import FuzzRequest
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
-           "resumed_drift", "base_key", "resume_points", "one_token_paths", "logprob_drift"]
+           "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads", "logprob_drift",
+           "perturbed_by_pass"]
 
 NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
 # Matching tokens whose logprobs differ by more than this are a mismatch. The
@@ -76,10 +77,20 @@ def classify(reference: dict, got: dict, max_tokens: int | None) -> tuple[str, s
     return "match", None
 
 
-def one_token_paths(run: dict) -> dict[str, str]:
+def _per_request(run: dict, field: str) -> dict[str, str]:
+    """A rank-0 trace field keyed by the caller's request ids (vLLM 0.30 suffixes its own)."""
     traces = run.get("traces") or [{}]
-    return {re.sub(r"-[0-9a-f]{8}$", "", rid): path
-            for rid, path in traces[0].get("one_token_paths", {}).items()}
+    return {re.sub(r"-[0-9a-f]{8}$", "", rid): path for rid, path in traces[0].get(field, {}).items()}
+
+
+def one_token_paths(run: dict) -> dict[str, str]:
+    """Fresh one-token requests -> "prefill" if their step had prefills, else "decode"."""
+    return _per_request(run, "one_token_paths")
+
+
+def fresh_reads(run: dict) -> dict[str, str]:
+    """Requests the builder ran fresh on a path that reads their slot -> "decode" | "spec"."""
+    return _per_request(run, "fresh_reads")
 
 
 def base_key(r: "FuzzRequest", paths: dict[str, str]) -> str:
@@ -136,3 +147,29 @@ def resumed_drift(reference: dict, r: "FuzzRequest", got: dict, resumed: list[in
     bounds = [0] + resumed + [None]
     keys = [first_key] + [json.dumps(list(r.prompt) + got["tokens"][:a]) for a in resumed]
     return max(logprob_drift(reference[k], _segment(got, a, b)) for k, (a, b) in zip(keys, zip(bounds, bounds[1:])))
+
+
+def perturbed_by_pass(off: dict[str, dict], on: dict[str, dict], acted_on: set[str]) -> dict[str, int]:
+    """Requests the pass changed although its guard never acted on them: rid -> first position.
+
+    ``off`` / ``on``: the two streams' results by request id (same stream,
+    same schedule); ``acted_on``: the requests the guard acts on (fresh
+    one-token rows run as decodes). Every other request must come out of the
+    pass-on stream exactly as out of the pass-off one: its logprobs are
+    compared bit for bit over the tokens both share. A guard that damages a
+    live row's state (zeroes it, or zeroes a neighbour's slot) shows up here
+    even when the damage is too small to change a token or to pass DRIFT_TOL.
+    Where the engine's own numerics depend on the other rows of a batch (the
+    fixed rows' new tokens change those rows), this counts that too: read it
+    next to the same count between two pass-off streams.
+    """
+    perturbed = {}
+    for rid, a in off.items():
+        b = on.get(rid)
+        if rid in acted_on or b is None or "tokens" not in a or "tokens" not in b:
+            continue
+        for i, (ta, tb, la, lb) in enumerate(zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"])):
+            if la != lb or ta != tb:
+                perturbed[rid] = i
+                break
+    return perturbed

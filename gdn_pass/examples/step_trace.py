@@ -24,27 +24,46 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
-__all__ = ["StepTrace", "row_kinds"]
+__all__ = ["StepTrace", "row_kinds", "row_paths"]
 
 _ACTIVE: dict = {}
 
 
-def row_kinds(query_lens, num_computed_tokens, num_decodes: int, num_prefills: int,
-              num_spec_decodes: int) -> Counter:
-    """Counts of this step's row kinds, from vLLM's own fields.
+def row_paths(spec_rows: list[bool], num_decodes: int) -> list[str]:
+    """Each row's kernel path as the GDN builder split the batch: "spec", "decode" or "prefill".
 
-    ``fresh_decode`` is the bug's trigger: a brand-new row in a step with no
-    prefill, so it runs a decode kernel. ``spec`` rows come first in the
-    builder's count when speculative decoding is on.
+    Speculative rows are those of vLLM's mask; of the other rows, in batch
+    order, the first ``num_decodes`` are decodes (vLLM orders a batch decodes
+    first, then short extends, then prefills, and its split counts every
+    leading row of at most one token as a decode: a brand-new one-token row
+    among them is a decode even in a step with prefills).
     """
-    kinds: Counter = Counter()
-    kinds["spec"] = num_spec_decodes
-    for computed, q in zip(num_computed_tokens, query_lens):
+    paths, non_spec = [], 0
+    for is_spec in spec_rows:
+        if is_spec:
+            paths.append("spec")
+            continue
+        paths.append("decode" if non_spec < num_decodes else "prefill")
+        non_spec += 1
+    return paths
+
+
+def row_kinds(query_lens, num_computed_tokens, paths: list[str]) -> Counter:
+    """Counts of this step's row kinds, from vLLM's own fields and ``row_paths``.
+
+    ``fresh_decode`` is the bug's trigger: a brand-new row that the builder
+    put on a decode (or speculative decode) path, whose kernels read its
+    recycled slot. ``spec`` counts speculative rows, which are counted by
+    their other kind too.
+    """
+    kinds: Counter = Counter(spec=0)
+    for computed, q, path in zip(num_computed_tokens, query_lens, paths):
         if q <= 0:
             continue  # padding
+        kinds["spec"] += path == "spec"
         if computed == 0:
-            kinds["fresh_decode" if num_prefills == 0 else "fresh_prefill"] += 1
-        elif q > 1 and num_spec_decodes == 0:
+            kinds["fresh_prefill" if path == "prefill" else "fresh_decode"] += 1
+        elif q > 1 and path == "prefill":
             kinds["continuation"] += 1  # a chunk of a prompt (or a prefix-hit remainder)
         else:
             kinds["decode"] += 1
@@ -62,6 +81,7 @@ class StepTrace:
         state["steps"].clear()
         state["detail"] = detail
         state["one_token_paths"] = {}
+        state["fresh_reads"] = {}
         state["runner"] = getattr(self, "model_runner", None)
         if _ACTIVE.get("installed"):
             return True
@@ -78,18 +98,26 @@ class StepTrace:
                 qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
                 computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
                 slots = md.non_spec_state_indices_tensor
+                mask = getattr(md, "spec_sequence_masks", None)
+                spec_rows = ([False] * m.num_reqs if mask is None
+                             else [bool(x) for x in mask[: m.num_reqs].cpu().tolist()])
+                paths = row_paths(spec_rows, md.num_decodes)
                 state["steps"].append(dict(
-                    rows=row_kinds(qlens.tolist(), computed.tolist(), md.num_decodes,
-                                   md.num_prefills, getattr(md, "num_spec_decodes", 0) or 0),
+                    rows=row_kinds(qlens.tolist(), computed.tolist(), paths),
                     real_rows=int((qlens > 0).sum()),
                     slot_rows=None if slots is None else int(slots.shape[0]),
                     dispatch=state["dispatch"]))
                 ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
                 # The kernel path of each fresh one-token row (the last time it was fresh: a
                 # request preempted before its first token is fresh again when resumed).
-                for rid, c, q in zip(ids, computed.tolist(), qlens.tolist()):
+                # ``one_token_paths`` says whether the step had prefills (the kernels, hence the
+                # numerics, of the fuzz's reference); ``fresh_reads`` which fresh rows the
+                # builder put on a path that reads their slot (the rows a guard acts on).
+                for rid, c, q, path in zip(ids, computed.tolist(), qlens.tolist(), paths):
                     if c == 0 and q == 1:
                         state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
+                    if c == 0 and q > 0 and path != "prefill":
+                        state["fresh_reads"][rid] = path
                 if state["detail"]:
                     all_slots = [] if slots is None else slots.tolist()
                     state["steps"][-1]["detail"] = dict(
@@ -167,4 +195,5 @@ class StepTrace:
                     fresh_decode_steps=fresh_decode, padded_graph_steps=padded_graph,
                     fresh_decode_in_padded_full_graph=fresh_in_padded_full,
                     one_token_paths=dict(state.get("one_token_paths", {})),
+                    fresh_reads=dict(state.get("fresh_reads", {})),
                     spec_steps=sum(s["rows"]["spec"] > 0 for s in steps))

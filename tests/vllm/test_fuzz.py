@@ -15,6 +15,7 @@ import sys
 import pytest
 
 from gdn_pass.examples import fuzz as fz
+from gdn_pass.examples.fuzz_judge import fresh_reads
 from gdn_pass.examples.tiny_checkpoints import write_checkpoint
 from gdn_pass.examples.vllm_scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
 
@@ -66,6 +67,11 @@ def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, che
     assert off["mismatches"] > 0, "the fuzz must be able to fail: pass off reads stale state"
     assert on["mismatches"] == 0, on["examples"]
     assert summary["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
+    # bit for bit: every request the guard did not act on is untouched (CPU numerics are batch-independent)
+    assert summary["perturbed_by_pass"] == {}, "the pass changed logprobs of rows it never acted on"
+    # the rows the pass fixed are exactly rows vLLM's split put fresh on a decode path (row_paths)
+    fixed = set(off["mismatched_ids"]) - set(on["mismatched_ids"])
+    assert fixed <= set(fresh_reads({"traces": [on["trace"]]})), fixed
     if config == "preempt_prefix_hits":  # the paths this configuration exists for
         assert on["preemptions"] > 0 and on["resumed_after_preemption"] > 0
         assert on["resume_references"] > 0 and on["prefix_cache_hits"] > 0
