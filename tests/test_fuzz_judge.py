@@ -11,7 +11,8 @@ import json
 import pytest
 
 from gdn_pass.examples.fuzz import FuzzRequest
-from gdn_pass.examples.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, perturbed_by_pass
+from gdn_pass.examples.fuzz_judge import (DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, first_token_mismatch,
+                                          perturbed_by_pass)
 
 
 def result(tokens, logprobs, tops=None, **extra):
@@ -100,3 +101,12 @@ def test_rows_the_guard_acted_on_may_change():
     on = {"q0": result([7, 6], [-0.5, -2.0]), "q1": result([4], [-3.0])}
     assert perturbed_by_pass(off, on, acted_on={"q0"}) == {}
     assert perturbed_by_pass(off, on, acted_on=set()) == {"q0": 0}
+
+
+def test_first_token_mismatch_is_the_stale_read_signature():
+    assert first_token_mismatch(REF, result([9, 6, 7, 8], [-3.0, -2.0, -0.5, -1.5]))
+    assert first_token_mismatch(REF, result([5, 6], [-1.0 - 2 * DRIFT_TOL, -2.0]))
+    # a later divergence, a near tie and a rejection are not
+    assert not first_token_mismatch(REF, result([5, 6, 3, 1], [-1.0, -2.0, -0.9, -1.0]))
+    assert not first_token_mismatch(REF, result([5, 4], [-1.0, -2.05]))
+    assert not first_token_mismatch(dict(rejected="too long"), result([5], [-1.0]))

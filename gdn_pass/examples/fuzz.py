@@ -67,9 +67,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, fresh_reads,
-                                         one_token_paths, perturbed_by_pass, prefill_path_key, resume_points,
-                                         resumed_drift)
+from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch,
+                                         fresh_reads, one_token_paths, perturbed_by_pass, prefill_path_key,
+                                         resume_points, resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
 
@@ -491,7 +491,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         paths = one_token_paths(run)
         preempted = set(run.get("preempted_ids", ()))
         outcome: dict[str, dict[str, str]] = {"mismatch": {}, "near_tie": {}}
-        drift, preempted_mismatches = 0.0, {}
+        drift, preempted_mismatches, first_token = 0.0, {}, 0
         for r in stream:
             got = run["results"].get(r.rid)
             if got is None:
@@ -503,11 +503,13 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                 drift = max(drift, resumed_drift(reference, r, got, resume_points(run, r.rid), base))
                 continue
             outcome[kind][r.rid] = f"{r.kind}: {why}"
+            first_token += kind == "mismatch" and first_token_mismatch(reference.get(base, {}), got)
             if kind == "mismatch" and r.rid in preempted:
                 preempted_mismatches[r.rid] = outcome[kind][r.rid]
         results = run["results"]
         summary["runs"][guard] = dict(
             mismatches=len(outcome["mismatch"]), examples=dict(list(outcome["mismatch"].items())[:5]),
+            first_token_mismatches=first_token,
             near_ties=len(outcome["near_tie"]), near_tie_examples=dict(list(outcome["near_tie"].items())[:3]),
             max_logprob_drift_of_matches=round(drift, 4),
             steps=run["steps"], fresh_decode_steps=run["fresh_decode_steps"],

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
            "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads", "logprob_drift",
-           "perturbed_by_pass"]
+           "perturbed_by_pass", "first_token_mismatch"]
 
 NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
 # Matching tokens whose logprobs differ by more than this are a mismatch. The
@@ -138,6 +138,14 @@ def classify_resumed(reference: dict, r: "FuzzRequest", got: dict, resumed: list
     if not got.get("aborted") and (not got.get("finished") or total != expected):
         return "mismatch", f"stopped with {total} tokens, not {expected}"
     return worst
+
+
+def first_token_mismatch(reference: dict, got: dict) -> bool:
+    """Is the first token of the request's first run a mismatch? The stale-read signature:
+    a fresh row's first step reads its recycled slot, so its very first token goes wrong."""
+    if "rejected" in reference or not got.get("tokens"):
+        return False
+    return classify(reference, _segment(got, 0, 1), None)[0] == "mismatch"
 
 
 def resumed_drift(reference: dict, r: "FuzzRequest", got: dict, resumed: list[int], first_key: str) -> float:

@@ -68,9 +68,16 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     s = summaries[config]
     assert "error" not in s, s.get("error")
     off, on = s["runs"]["off"], s["runs"]["on"]
-    assert off["fresh_decode_steps"] > 0 and off["mismatches"] > 0, off["examples"]
-    assert on["mismatches"] == 0, on["examples"]
+    assert off["fresh_decode_steps"] > 0 and off["first_token_mismatches"] > 0, off["examples"]
+    assert on["first_token_mismatches"] == 0, on["examples"]
+    if config == "preempt_prefix_hits":
+        # vLLM 0.26's align mode (prefix caching on) diverges by itself on CUDA,
+        # pass off and on alike (README, Known limits): nothing new with the pass
+        assert set(on["mismatched_ids"]) <= set(off["mismatched_ids"]), on["examples"]
+    else:
+        assert on["mismatches"] == 0, on["examples"]
     assert s["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
+    assert s["perturbed_by_pass"] == {}, "the pass changed logprobs of rows it never acted on"
     trace = on["trace"]
     assert trace["ranks"] == TP and trace["ranks_agree"]
     assert trace["plugin"]["hook_installed"], "a worker did not load the plugin's entry point"

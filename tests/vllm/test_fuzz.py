@@ -65,6 +65,7 @@ def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, che
     off, on = summary["runs"]["off"], summary["runs"]["on"]
     assert on["fresh_decode_steps"] > 0
     assert off["mismatches"] > 0, "the fuzz must be able to fail: pass off reads stale state"
+    assert off["first_token_mismatches"] > 0, "no stale first token with the pass off"
     assert on["mismatches"] == 0, on["examples"]
     assert summary["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
     # bit for bit: every request the guard did not act on is untouched (CPU numerics are batch-independent)
