@@ -1,0 +1,409 @@
+"""Cost of the fix inside a real vLLM engine, next to the unguarded floor and the one-line alternative.
+
+Three variants of the same model, and every case runs in rounds that rotate
+through them (A B C, B C A, ...), so that a shared, noisy machine weighs on
+all three alike:
+
+    unguarded    vLLM as is: wrong on fresh rows (vllm#51562), the floor
+    gdn-pass     GDNStatePass in the compilation config
+    alternative  the bug report's one line: the GDN builder splits its batch
+                 with ``split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)``,
+                 so fresh one-token rows take the prefill path, as upstream's fix does;
+                 plus what the line needs on vLLM's V1 runner under FULL CUDA graphs:
+                 a step with a prefilling row is not run as a uniform decode
+                 (``benchmarks/engine_cost_worker.py`` says why; benchmark only)
+
+First, a correctness check per variant (and for the one line alone): every
+cache is filled with zeros, then with poison, and the same brand-new one-token
+request joins three decoding ones; a variant that never reads a fresh row's
+slot gives the same tokens both times.
+
+Two engines, each in its own process, hold them: one compiled with the pass,
+and one without it, which runs as plain vLLM or, switched in every worker
+between measurements, as the alternative (same graph, same weights: two
+engines' memory instead of three).
+
+Cases, per batch size B:
+
+    decode B, fresh F   B rows of one token each: B - F requests decoding and F
+                        brand-new one-token requests joining every step (F = 0,
+                        1, B/2); the time per step over a window of steps
+    stream              a seeded serving-like stream (random prompt and output
+                        lengths, 10% one-token prompts, arrivals between steps):
+                        output tokens per second
+    hook                gdn-pass only: the host time its metadata hook spends per
+                        step, against the step's wall time
+
+Model: ``--dims qwen3-next-80b`` has Qwen3-Next-80B-A3B's layer dimensions
+(hidden 2048; GDN 16 key heads and 32 value heads of 128, conv width 4; full
+attention every 4th layer with 16 query heads, 2 KV heads of 256; MoE with 512
+experts, top 10, expert size 512, and a shared expert) with ``--layers`` layers
+and ``load_format="dummy"`` weights; ``--dims tiny`` is the tests' tiny
+Qwen3-Next, to try the benchmark on CPU.
+
+    # GPU (vLLM 0.26 bundle, ../shared/gpu-vllm): three engines of 12 layers on one H200
+    python benchmarks/engine_cost.py --dims qwen3-next-80b --layers 12 --gpu --out $OUT
+    # CPU, tiny model (checks the machinery, not the GPU's costs)
+    python benchmarks/engine_cost.py --dims tiny --batches 1 4 --rounds 2 --stream 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+VARIANTS = ("unguarded", "gdn-pass", "alternative")
+ENGINE_OF = {"unguarded": "plain", "alternative": "plain", "one-line-only": "plain", "gdn-pass": "gdn-pass"}
+WORKER_EXTENSION = "benchmarks.engine_cost_worker.BenchWorker"
+# the plain engine's switches per variant (engine_cost_worker.BenchWorker.alternative_set)
+SWITCHES = {"unguarded": dict(split=False, runner=False), "alternative": dict(split=True, runner=True),
+            "one-line-only": dict(split=True, runner=False)}
+
+QWEN3_NEXT_80B_LAYER_DIMS = dict(
+    hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+    linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+    linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+    shared_expert_intermediate_size=512, intermediate_size=5120, decoder_sparse_step=1,
+    mlp_only_layers=[], norm_topk_prob=True, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
+    vocab_size=151936, max_position_embeddings=8192, rms_norm_eps=1e-6,
+)
+
+
+def write_model(dims: str, layers: int, out: Path) -> Path:
+    """A model directory: Qwen3-Next-80B's layer dimensions (config only, dummy weights) or the tiny one."""
+    from gdn_pass.examples.tiny_checkpoints import QWEN3_NEXT_CONFIG, write_checkpoint
+
+    if dims == "tiny":
+        return write_checkpoint("qwen3_next", out, seed=0)
+    config = {**QWEN3_NEXT_CONFIG, **QWEN3_NEXT_80B_LAYER_DIMS, "num_hidden_layers": layers,
+              "layer_types": [("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                              for i in range(layers)]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+# ----------------------------------------------------------------- engine side
+
+
+class HookClock:
+    """Host time inside gdn-pass's metadata hook, by wrapping what its build wrapper calls."""
+
+    def __init__(self):
+        from gdn_pass.vllm import compat, metadata_hook, step_guard
+
+        self.seconds = 0.0
+        self.by_function: dict[str, float] = {}
+        for module, name in ((metadata_hook, "stage_rows"), (metadata_hook, "_owner"),
+                             (metadata_hook, "_group_caches"), (metadata_hook, "_group_cache_table"),
+                             (step_guard, "zero_group"), (compat, "step_inputs")):
+            setattr(module, name, self._timed(getattr(module, name), name))
+
+    def _timed(self, fn, name: str):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent = time.perf_counter() - start
+                self.seconds += spent
+                self.by_function[name] = self.by_function.get(name, 0.0) + spent
+
+        return timed
+
+
+def _params(max_tokens: int):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+class Engine:
+    """One engine (plain or gdn-pass) and the measurements it runs, in its own process."""
+
+    def __init__(self, spec: dict):
+        from gdn_pass.examples.vllm_scenarios import make_llm
+
+        self.guarded = spec["engine"] == "gdn-pass"
+        args = dict(spec["engine_args"], worker_extension_cls=WORKER_EXTENSION)
+        # the hook runs in this process only without tensor parallelism
+        in_process = args.get("tensor_parallel_size", 1) == 1
+        self.clock = HookClock() if self.guarded and in_process else None
+        self.llm = make_llm(spec["model"], guard=self.guarded, **args)
+        self.engine = self.llm.llm_engine
+        self.serial = 0
+        self.max_tokens = args["max_model_len"] - 64
+
+    def variant(self, name: str) -> dict:
+        """Run as ``name`` from now on (the plain engine switches the alternative in every worker)."""
+        if self.guarded != (name == "gdn-pass"):
+            raise RuntimeError(f"variant {name} does not run in this engine")
+        if not self.guarded and not all(self.llm.collective_rpc("alternative_set", kwargs=SWITCHES[name])):
+            raise RuntimeError("the alternative's split is not wrapped in every worker")
+        return {}
+
+    def fresh_row_check(self) -> dict:
+        """A fresh one-token row's tokens next to decoding rows, on zeroed and on poisoned caches."""
+        tokens = {}
+        for fill in (0.0, 100.0):
+            self._drain()
+            self.llm.collective_rpc("bench_fill_caches", args=(fill,))
+            rng = random.Random(0)
+            for _ in range(3):
+                self._add([rng.randrange(10, 1000) for _ in range(8)], 32)
+            for _ in range(3):
+                self.engine.step()
+            fresh = self._add([7], 4)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.request_id == fresh and out.finished:
+                        tokens[fill] = list(out.outputs[0].token_ids)
+        return dict(zeroed=tokens[0.0], poisoned=tokens[100.0], fresh_state=tokens[0.0] == tokens[100.0])
+
+    def _add(self, prompt: list[int], max_tokens: int) -> str:
+        self.serial += 1
+        rid = f"r{self.serial}"
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, _params(max_tokens))
+        return rid
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+    def steps(self, batch: int, fresh: int, steps: int, warmup: int) -> dict:
+        """Seconds per step with ``batch`` one-token rows, ``fresh`` of them brand-new every step."""
+        rng = random.Random(batch * 1000 + fresh)
+        decoders = [self._add([rng.randrange(10, 1000) for _ in range(32)], self.max_tokens)
+                    for _ in range(batch - fresh)]
+        for _ in range(4):  # their prefills, then steady decoding
+            self.engine.step()
+        start, hook0, parts0 = 0.0, 0.0, {}
+        for i in range(warmup + steps):
+            if i == warmup:
+                start = time.perf_counter()
+                if self.clock:
+                    hook0, parts0 = self.clock.seconds, dict(self.clock.by_function)
+            for _ in range(fresh):
+                self._add([rng.randrange(10, 1000)], 1)
+            self.engine.step()
+        per_step = (time.perf_counter() - start) / steps
+        hook = ((self.clock.seconds - hook0) / steps) if self.clock else None
+        parts = ({k: (v - parts0.get(k, 0.0)) / steps for k, v in self.clock.by_function.items()}
+                 if self.clock else None)
+        self.engine.abort_request(decoders)
+        self._drain()
+        return dict(step_s=per_step, hook_s=hook, hook_parts_s=parts)
+
+    def stream(self, requests: int, seed: int) -> dict:
+        """A serving-like stream: output tokens per second."""
+        rng = random.Random(seed)
+        pending = []
+        for _ in range(requests):
+            n = 1 if rng.random() < 0.1 else rng.randint(2, 1024)
+            pending.append(([rng.randrange(10, 1000) for _ in range(n)], rng.randint(16, 256)))
+        tokens, start = 0, time.perf_counter()
+        while pending or self.engine.has_unfinished_requests():
+            for _ in range(min(len(pending), rng.choice([0, 1, 2, 4]))):
+                self._add(*pending.pop())
+            for out in self.engine.step():
+                if out.finished:
+                    tokens += len(out.outputs[0].token_ids)
+        wall = time.perf_counter() - start
+        return dict(tokens=tokens, wall_s=wall, tokens_per_s=tokens / wall)
+
+
+def _engine_process(spec: dict, conn) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.update(spec.get("env", {}))
+    try:
+        engine = Engine(spec)
+        conn.send(dict(ready=True))
+        while True:
+            command = conn.recv()
+            if command is None:
+                return
+            op = command.pop("op")
+            conn.send(getattr(engine, op)(**command))
+    except Exception as exc:  # noqa: BLE001 - reported to the driver, which stops the run
+        import traceback
+
+        conn.send(dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:]))
+
+
+# ----------------------------------------------------------------- driver side
+
+
+def _start(specs: dict[str, dict]):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    engines = {}
+    for name, spec in specs.items():
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_engine_process, args=(spec, child), name=f"engine-{name}")
+        proc.start()
+        engines[name] = (proc, parent)
+    for name, (_, conn) in engines.items():
+        reply = conn.recv()
+        if "error" in reply:
+            raise RuntimeError(f"engine {name} failed to start: {reply['error']}\n{reply['traceback']}")
+    return engines
+
+
+def _ask(engines, variant: str, **command) -> dict:
+    """Run ``command`` as ``variant`` in the engine that holds it."""
+    conn = engines[ENGINE_OF[variant]][1]
+    for message in (dict(op="variant", name=variant), command):
+        conn.send(dict(message))
+        reply = conn.recv()
+        if "error" in reply:
+            raise RuntimeError(f"{variant}, {message}: {reply['error']}\n{reply['traceback']}")
+    return reply
+
+
+def run(args) -> dict:
+    workdir = Path(args.workdir)
+    model = write_model(args.dims, args.layers, workdir / f"model_{args.dims}_{args.layers}")
+    engine_args = dict(load_format="dummy" if args.dims != "tiny" else "auto",
+                       max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
+                       num_gpu_blocks_override=None, max_num_batched_tokens=args.max_num_batched_tokens,
+                       enable_prefix_caching=False)
+    if args.tp > 1:
+        engine_args.update(tensor_parallel_size=args.tp, disable_custom_all_reduce=True)
+    if args.gpu:
+        engine_args.update(kv_cache_memory_bytes=args.kv_cache_bytes, gpu_memory_utilization=0.05,
+                           additional_config={"gdn_prefill_backend": "triton"},
+                           compilation_config={"cudagraph_capture_sizes": sorted(
+                               {1, 2, 4, 8, 16, 32, 64, 128, 256} & set(range(1, max(args.batches) + 1))
+                               | set(args.batches))})
+    specs = {e: dict(engine=e, model=str(model), engine_args=engine_args,
+                     env=dict(VLLM_CACHE_ROOT=str(workdir / f"cache_{e}"),
+                              TORCHINDUCTOR_CACHE_DIR=str(workdir / f"cache_{e}" / "inductor"),
+                              # the GPU machine's rules (device KINDS.md) and what vLLM 0.26 needs there
+                              **(dict(VLLM_USE_FLASHINFER_SAMPLER="0", NCCL_NVLS_ENABLE="0",
+                                      TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
+                                      VLLM_ALLREDUCE_USE_SYMM_MEM="0") if args.gpu else {})))
+             for e in ("plain", "gdn-pass")}
+    started = time.time()
+    engines = _start(specs)
+    start_s = time.time() - started
+    checks = {v: _ask(engines, v, op="fresh_row_check") for v in (*VARIANTS, "one-line-only")}
+    print(f"fresh-row check: {json.dumps(checks)}", file=sys.stderr, flush=True)
+    cases = [(b, f) for b in args.batches for f in sorted({0, 1, b // 2}) if f <= b]
+    times: dict[str, dict[str, list]] = {f"B={b} fresh={f}": {v: [] for v in VARIANTS} for b, f in cases}
+    hooks: dict[str, list] = {f"B={b} fresh={f}": [] for b, f in cases}
+    hook_parts: dict[str, list] = {f"B={b} fresh={f}": [] for b, f in cases}
+    for r in range(args.rounds):
+        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        for b, f in cases:
+            key = f"B={b} fresh={f}"
+            for v in order:
+                reply = _ask(engines, v, op="steps", batch=b, fresh=f, steps=args.steps, warmup=args.warmup)
+                times[key][v].append(reply["step_s"])
+                if reply["hook_s"] is not None:
+                    hooks[key].append(reply["hook_s"] / reply["step_s"])
+                    hook_parts[key].append(reply["hook_parts_s"])
+        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
+    streams: dict[str, list] = {v: [] for v in VARIANTS}
+    for r in range(args.stream_rounds):
+        for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
+            streams[v].append(_ask(engines, v, op="stream", requests=args.stream, seed=r)["tokens_per_s"])
+    for proc, conn in engines.values():
+        conn.send(None)
+        proc.join(timeout=60)
+    median = statistics.median
+    rows = []
+    for key, by_variant in times.items():
+        base = median(by_variant["unguarded"])
+        rows.append(dict(case=key, unguarded_ms=round(base * 1e3, 3),
+                         **{f"{v}_ratio": round(median(by_variant[v]) / base, 4) for v in VARIANTS[1:]},
+                         hook_share=round(median(hooks[key]), 4) if hooks[key] else None,
+                         # where the hook's host time goes, microseconds per step (median over rounds)
+                         hook_parts_us={k: round(median(p[k] for p in hook_parts[key]) * 1e6, 1)
+                                        for k in (hook_parts[key][0] if hook_parts[key] else {})},
+                         samples={v: [round(t * 1e3, 3) for t in ts] for v, ts in by_variant.items()}))
+    stream_base = median(streams["unguarded"]) if args.stream_rounds else None
+    stream = (dict(unguarded_tokens_per_s=round(stream_base, 1),
+                   **{f"{v}_ratio": round(median(streams[v]) / stream_base, 4) for v in VARIANTS[1:]},
+                   samples=streams) if args.stream_rounds else None)
+    import vllm
+
+    return dict(command="python benchmarks/engine_cost.py " + " ".join(sys.argv[1:]),
+                machine=platform.machine(), vllm=vllm.__version__, dims=args.dims, layers=args.layers,
+                engine_start_s=round(start_s, 1), rounds=args.rounds, steps=args.steps,
+                fresh_row_check=checks, rows=rows,
+                stream=stream)
+
+
+def render(result: dict) -> str:
+    model = (f"Qwen3-Next-80B layer dimensions, {result['layers']} layers" if result["dims"] != "tiny"
+             else "the tests' tiny Qwen3-Next")
+    lines = [f"# Cost of the fix in a real vLLM engine ({model}, vLLM {result['vllm']})", "",
+             f"Command: `{result['command']}`. Two engines side by side (plain vLLM, which also runs the "
+             f"alternative, switched in its workers; and gdn-pass), rounds rotating the variants' order; "
+             f"each cell is the median over {result['rounds']} rounds of the mean step time over "
+             f"{result['steps']} steps. Ratios are to the unguarded engine, measured in the same run. With no "
+             f"fresh row the alternative runs exactly plain vLLM's code: its ratio there is this run's noise.", "",
+             "Fresh-row check (a new one-token request next to decoding ones; same tokens on zeroed "
+             "and on poisoned caches means its slot was not read): "
+             + ", ".join(f"{v} {'fresh' if c['fresh_state'] else 'READS THE SLOT'}"
+                         for v, c in result["fresh_row_check"].items()) + ".", "",
+             "| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
+             "| gdn-pass hook host time / step | of it, us/step by function |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        share = "-" if r["hook_share"] is None else f"{r['hook_share']:.2%}"
+        parts = ", ".join(f"{k} {v}" for k, v in sorted(r["hook_parts_us"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {r['case']} | {r['unguarded_ms']} | x{r['gdn-pass_ratio']} "
+                     f"| x{r['alternative_ratio']} | {share} | {parts or '-'} |")
+    if result["stream"]:
+        s = result["stream"]
+        lines += ["", f"Serving-like stream: unguarded {s['unguarded_tokens_per_s']} output tokens/s; "
+                      f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']} "
+                      "(ratios of tokens/s; higher is faster)."]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dims", choices=["qwen3-next-80b", "tiny"], default="tiny")
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--gpu", action="store_true", help="CUDA vLLM 0.26 settings (memory, GDN prefill backend)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=20, help="timed steps per case and round")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--stream", type=int, default=1000, help="requests in the serving-like stream")
+    ap.add_argument("--stream-rounds", type=int, default=1)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    ap.add_argument("--workdir", default="artifacts/engine_cost")
+    ap.add_argument("--out", default=None, help="directory for engine_cost.json / .md")
+    ap.add_argument("--name", default="engine_cost")
+    args = ap.parse_args()
+    result = run(args)
+    text = render(result)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+        (out / f"{args.name}.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

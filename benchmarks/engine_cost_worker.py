@@ -1,0 +1,85 @@
+"""Worker side of benchmarks/engine_cost.py: the bug report's alternative, switchable, and a poison check.
+
+vLLM imports this module in every worker of an engine given
+``worker_extension_cls="benchmarks.engine_cost_worker.BenchWorker"``; the
+driver calls the methods through ``llm.collective_rpc``. Benchmarks only.
+
+The alternative to gdn-pass that vllm#51562 proposes is one line: the GDN
+builder splits its batch with ``split_decodes_and_prefills(...,
+treat_short_extends_as_decodes=False)``, so that a brand-new one-token
+request runs on the prefill path. On vLLM's V1 model runner (0.26) that line
+alone is not enough under FULL CUDA graphs: the runner picks the graph from
+the query lengths only, so a step whose rows all have one token replays the
+decode graph, whose metadata buffers the builder then leaves unwritten
+(it writes them only for steps without prefills). vLLM's upstream fix relies
+on its V2 runner, which keeps steps with a prefilling row out of FULL decode
+graphs. ``alternative_set(split=True, runner=True)`` does both here: the
+split, and a runner that treats a step with a prefilling row as not a
+uniform decode (PIECEWISE). ``split=True, runner=False`` is the one line
+alone, for the correctness check only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from vllm.v1.attention.backends import gdn_attn
+
+_switch = {"split": False, "runner": False}
+_split = gdn_attn.split_decodes_and_prefills
+
+if not getattr(_split, "switchable", False):
+    @functools.wraps(_split)
+    def _switchable_split(*args, **kwargs):
+        if _switch["split"]:
+            kwargs["treat_short_extends_as_decodes"] = False
+        return _split(*args, **kwargs)
+
+    _switchable_split.switchable = True
+    gdn_attn.split_decodes_and_prefills = _switchable_split
+
+
+def _prefilling_rows(runner) -> bool:
+    """Does this step have a request still in its prompt (a fresh one-token row among them)?"""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    return bool((batch.num_computed_tokens_cpu_tensor[:n] < batch.num_prompt_tokens_cpu_tensor[:n]).any())
+
+
+class BenchWorker:
+    """Worker extension: the alternative's switches and the cache fill of the poison check."""
+
+    def alternative_set(self, split: bool, runner: bool) -> bool:
+        """Switch the alternative's two parts in this worker; True if both are in place."""
+        model_runner = self.model_runner
+        if not getattr(model_runner, "_bench_uniform_wrapped", False):
+            original = model_runner._is_uniform_decode
+
+            def is_uniform_decode(*args, **kwargs):
+                uniform = original(*args, **kwargs)
+                if uniform and _switch["runner"] and kwargs.get("force_uniform_decode") is None:
+                    return not _prefilling_rows(model_runner)
+                return uniform
+
+            model_runner._is_uniform_decode = is_uniform_decode
+            model_runner._bench_uniform_wrapped = True
+        _switch.update(split=bool(split), runner=bool(runner))
+        return bool(getattr(gdn_attn.split_decodes_and_prefills, "switchable", False))
+
+    def bench_fill_caches(self, value: float) -> int:
+        """Every KV / conv / recurrent cache of this worker set to ``value``; the count of tensors."""
+        import torch
+
+        filled = [0]
+
+        def fill(x):
+            if isinstance(x, torch.Tensor):
+                x.fill_(value)
+                filled[0] += 1
+            elif isinstance(x, (list, tuple)):
+                for item in x:
+                    fill(item)
+
+        for layer in self.vllm_config.compilation_config.static_forward_context.values():
+            fill(getattr(layer, "kv_cache", None))
+        return filled[0]

@@ -1,0 +1,38 @@
+"""benchmarks/engine_cost.py's model: Qwen3-Next-80B's layer dimensions, as issue 14 gives them (no engine)."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from engine_cost import write_model  # noqa: E402
+
+
+@pytest.mark.parametrize("layers", [12, 48])
+def test_qwen3_next_80b_layer_dimensions(tmp_path, layers):
+    config = json.loads((write_model("qwen3-next-80b", layers, tmp_path) / "config.json").read_text())
+    assert config["num_hidden_layers"] == layers == len(config["layer_types"])
+    # full attention every 4th layer, GDN elsewhere
+    assert [i for i, t in enumerate(config["layer_types"]) if t == "full_attention"] == list(range(3, layers, 4))
+    assert config["hidden_size"] == 2048
+    gdn = {k: config[k] for k in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                                  "linear_value_head_dim", "linear_conv_kernel_dim")}
+    assert gdn == dict(linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_conv_kernel_dim=4)
+    attention = {k: config[k] for k in ("num_attention_heads", "num_key_value_heads", "head_dim")}
+    assert attention == dict(num_attention_heads=16, num_key_value_heads=2, head_dim=256)
+    moe = {k: config[k] for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                  "shared_expert_intermediate_size", "decoder_sparse_step", "mlp_only_layers")}
+    assert moe == dict(num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512,
+                       shared_expert_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[])
+    # config only: the engine runs it with load_format="dummy"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json"]
+
+
+def test_the_config_loads_as_qwen3_next(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.from_pretrained(write_model("qwen3-next-80b", 12, tmp_path))
+    assert config.model_type == "qwen3_next" and config.num_experts == 512
