@@ -397,13 +397,14 @@ def _row_kind_totals(traces: list[dict]) -> dict:
 def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: str,
          guards=("off", "on"), python: str = sys.executable, progress=print,
          engine_args: dict | None = None, parallel: int = 1, reference_shards: int = 1,
-         engine_env=lambda name: {}) -> dict:
+         engine_env=lambda name: {}, trace_detail: bool = False) -> dict:
     """Run one seeded stream with the pass off and on; compare each request with its reference.
 
     ``engine_args`` go to every engine (e.g. the GPU's memory settings);
     ``parallel`` engines run at once; the reference prompts are split over
     ``reference_shards`` engines; ``engine_env(name)`` adds environment
-    variables per engine (e.g. its own compile caches).
+    variables per engine (e.g. its own compile caches); ``trace_detail`` keeps
+    every step's rows in the streams' raw results (``benchmarks/fuzz_locate.py``).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     settings = engine_settings(config)
@@ -439,6 +440,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     for guard in guards:
         jobs.append((dict(role="stream", model=str(model), guard=guard == "on", config=config,
                           stream=[asdict(r) for r in stream], engine_args=engine_args or {},
+                          trace_detail=trace_detail,
                           report_dir=str(workdir / f"reports_{config}_s{seed}_{guard}")),
                      f"stream_{config}_s{seed}_{guard}"))
     progress(f"stream seed={seed} config={config} pass {'/'.join(guards)}: {len(jobs)} engine(s), "
