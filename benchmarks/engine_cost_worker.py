@@ -25,6 +25,8 @@ import functools
 
 from vllm.v1.attention.backends import gdn_attn
 
+from gdn_pass.examples.step_trace import fill_caches
+
 _switch = {"split": False, "runner": False}
 _split = gdn_attn.split_decodes_and_prefills
 
@@ -68,18 +70,4 @@ class BenchWorker:
 
     def bench_fill_caches(self, value: float) -> int:
         """Every KV / conv / recurrent cache of this worker set to ``value``; the count of tensors."""
-        import torch
-
-        filled = [0]
-
-        def fill(x):
-            if isinstance(x, torch.Tensor):
-                x.fill_(value)
-                filled[0] += 1
-            elif isinstance(x, (list, tuple)):
-                for item in x:
-                    fill(item)
-
-        for layer in self.vllm_config.compilation_config.static_forward_context.values():
-            fill(getattr(layer, "kv_cache", None))
-        return filled[0]
+        return fill_caches(self.vllm_config, value)

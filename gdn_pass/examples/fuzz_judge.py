@@ -161,8 +161,8 @@ def perturbed_by_pass(off: dict[str, dict], on: dict[str, dict], acted_on: set[s
     """Requests the pass changed although its guard never acted on them: rid -> first position.
 
     ``off`` / ``on``: the two streams' results by request id (same stream,
-    same schedule); ``acted_on``: the requests the guard acts on (fresh
-    one-token rows run as decodes). Every other request must come out of the
+    same schedule); ``acted_on``: the requests the guard acts on (those the
+    builder ran fresh on a decode or speculative path, ``fresh_reads``). Every other request must come out of the
     pass-on stream exactly as out of the pass-off one: its logprobs are
     compared bit for bit over the tokens both share. A guard that damages a
     live row's state (zeroes it, or zeroes a neighbour's slot) shows up here

@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
-__all__ = ["StepTrace", "row_kinds", "row_paths"]
+__all__ = ["StepTrace", "row_kinds", "row_paths", "fill_caches"]
 
 _ACTIVE: dict = {}
 
@@ -68,6 +68,25 @@ def row_kinds(query_lens, num_computed_tokens, paths: list[str]) -> Counter:
         else:
             kinds["decode"] += 1
     return kinds
+
+
+def fill_caches(vllm_config, value: float) -> int:
+    """Set every layer's KV / conv / recurrent cache of this worker to ``value``; the count of tensors."""
+    import torch
+
+    filled = [0]
+
+    def fill(x):
+        if isinstance(x, torch.Tensor):
+            x.fill_(value)
+            filled[0] += 1
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                fill(item)
+
+    for layer in vllm_config.compilation_config.static_forward_context.values():
+        fill(getattr(layer, "kv_cache", None))
+    return filled[0]
 
 
 class StepTrace:
@@ -151,22 +170,7 @@ class StepTrace:
         parallelism), so zeroing must run here, not in the driver. Returns
         the number of tensors zeroed.
         """
-        import torch
-
-        context = self.vllm_config.compilation_config.static_forward_context
-        zeroed = [0]
-
-        def zero(x):
-            if isinstance(x, torch.Tensor):
-                x.zero_()
-                zeroed[0] += 1
-            elif isinstance(x, (list, tuple)):
-                for item in x:
-                    zero(item)
-
-        for layer in context.values():
-            zero(getattr(layer, "kv_cache", None))
-        return zeroed[0]
+        return fill_caches(self.vllm_config, 0.0)
 
     def gdn_trace_details(self) -> list[dict]:
         return [s.get("detail") for s in _ACTIVE.get("state", {}).get("steps", [])]
