@@ -13,10 +13,10 @@ all three alike:
                  a step with a prefilling row is not run as a uniform decode
                  (``benchmarks/engine_cost_worker.py`` says why; benchmark only)
 
-First, a correctness check per variant (and for the one line alone): every
-cache is filled with zeros, then with poison, and the same brand-new one-token
-request joins three decoding ones; a variant that never reads a fresh row's
-slot gives the same tokens both times.
+First, a correctness check per variant (and for the one line alone): a
+brand-new one-token request joins three decoding ones right after every cache
+was filled with zeros, and again after it was filled with poison; a variant
+that never reads a fresh row's slot gives the same tokens both times.
 
 Two engines, each in its own process, hold them: one compiled with the pass,
 and one without it, which runs as plain vLLM or, switched in every worker
@@ -155,16 +155,23 @@ class Engine:
         return {}
 
     def fresh_row_check(self) -> dict:
-        """A fresh one-token row's tokens next to decoding rows, on zeroed and on poisoned caches."""
+        """A fresh one-token row's tokens next to decoding rows, on zeroed and on poisoned caches.
+
+        The caches are filled once the decoding rows run, just before the fresh
+        row joins them: whichever slot it gets, never used or recycled from a
+        finished request (whose state is the same in both runs), holds the fill.
+        """
+        if self.engine.vllm_config.scheduler_config.max_num_seqs < 4:
+            raise RuntimeError("the fresh-row check needs max_num_seqs >= 4 (3 decoding rows and the fresh one)")
         tokens = {}
         for fill in (0.0, 100.0):
             self._drain()
-            self.llm.collective_rpc("bench_fill_caches", args=(fill,))
             rng = random.Random(0)
             for _ in range(3):
                 self._add([rng.randrange(10, 1000) for _ in range(8)], 32)
             for _ in range(3):
                 self.engine.step()
+            self.llm.collective_rpc("bench_fill_caches", args=(fill,))
             fresh = self._add([7], 4)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -277,7 +284,7 @@ def run(args) -> dict:
     workdir = Path(args.workdir)
     model = write_model(args.dims, args.layers, workdir / f"model_{args.dims}_{args.layers}")
     engine_args = dict(load_format="dummy" if args.dims != "tiny" else "auto",
-                       max_num_seqs=max(args.batches), max_model_len=args.max_model_len,
+                       max_num_seqs=max(4, *args.batches), max_model_len=args.max_model_len,
                        num_gpu_blocks_override=None, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False)
     if args.tp > 1:
