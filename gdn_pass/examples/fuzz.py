@@ -68,7 +68,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch,
-                                         fresh_reads, one_token_paths, perturbed_by_pass, prefill_path_key,
+                                         fresh_reads, one_token_paths, perturbed_by_pass,
                                          resume_points, resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
