@@ -75,16 +75,21 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
 
     prepare_engine_process(model)  # what this vLLM needs to load the tiny checkpoint
     compilation_config: dict = dict(compilation or {})
+    # A caller's own compilation_config (e.g. CUDA-graph sizes) joins the pass's
+    # entries; as a plain engine override it would replace them, and a "guarded"
+    # engine would silently run without the pass.
+    compilation_config.update(engine_overrides.pop("compilation_config", None) or {})
     if guard and pass_by_name:
         from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
         if report_dir:
             os.environ["GDN_PASS_REPORT_DIR"] = report_dir
-        compilation_config["inductor_passes"] = {pass_hook: SERVE_PASS}
+        compilation_config["inductor_passes"] = {**compilation_config.get("inductor_passes", {}), pass_hook: SERVE_PASS}
     elif guard:
         from gdn_pass.vllm import GDNStatePass
 
-        compilation_config["inductor_compile_config"] = {pass_hook: GDNStatePass(report_dir=report_dir)}
+        compilation_config["inductor_compile_config"] = {
+            **compilation_config.get("inductor_compile_config", {}), pass_hook: GDNStatePass(report_dir=report_dir)}
     engine_args = dict(
         model=model,
         skip_tokenizer_init=True,
