@@ -116,6 +116,9 @@ def main() -> int:
     ap.add_argument("--engine-args", type=json.loads, default={},
                     help='JSON engine arguments for every engine of the run, over the configuration\'s '
                          '(e.g. \'{"enforce_eager": true}\' to tell CUDA-graph effects apart)')
+    ap.add_argument("--guards", nargs="+", default=["off", "on"],
+                    help="stream runs: off, on, and on+MUTATION (the pass on, broken on purpose: "
+                         "gdn_pass/examples/step_trace.py)")
     ap.add_argument("--trace-detail", action="store_true",
                     help="keep every step's rows in the raw stream results (benchmarks/fuzz_locate.py)")
     ap.add_argument("--workdir", default="artifacts/fuzz_long")
@@ -141,6 +144,7 @@ def main() -> int:
             s = fuzz(model, workdir, seed=seed, num_requests=args.requests, config=config,
                      engine_args=per_config, parallel=args.parallel, engine_env=engine_env,
                      reference_shards=args.reference_shards, trace_detail=args.trace_detail,
+                     guards=tuple(args.guards),
                      progress=lambda m: print(m, file=sys.stderr, flush=True))
         except RuntimeError as e:  # one configuration's engine failed: keep the others
             failed[f"{config}/s{seed}"] = str(e)[-2000:]

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # GPU fuzz runs side by side in one device call (vLLM 0.26 bundle already
 # unpacked: ../shared/gpu-vllm/README.md). Each line of the jobs file is one
-# `fuzz_scheduling.py --gpu` argument list; every job gets its own workdir.
-# Results (.md/.json) go to $OUT/results.tgz; every engine's log and the
-# streams' raw outputs to $OUT/raw.tgz (a device call returns at most 8 files).
+# `fuzz_scheduling.py --gpu` argument list, optionally preceded by VAR=value
+# settings for that job alone (e.g. GDN_FUZZ_MUTATION=skip_zeroing); every job
+# gets its own workdir. REFERENCE_DIR (optional): reference_<config>.json files
+# copied into every workdir first, so that jobs reuse references already run.
+# Results (.md/.json) go to $OUT/results.tgz; each job's engine logs and raw
+# streams to $OUT/raw_<job>.tgz (a device call returns at most 8 files of
+# 16 MiB: at most 7 jobs, fewer with --trace-detail's larger streams).
 #
 #   bash benchmarks/gpu_fuzz_round.sh JOBS_FILE SECONDS
 set -u
@@ -13,7 +17,13 @@ export PYTHONPATH=$PWD:/tmp/site:/tmp/site-project VLLM_USE_FLASHINFER_SAMPLER=0
 i=0
 while read -r name args; do
     [ -z "$name" ] || [ "${name#\#}" != "$name" ] && continue
-    timeout "$limit" python3 benchmarks/fuzz_scheduling.py --gpu $args --workdir "/tmp/fz_$name" \
+    settings=()
+    set -- $args
+    while [ $# -gt 0 ] && [[ $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do settings+=("$1"); shift; done
+    args="$*"
+    mkdir -p "/tmp/fz_$name"
+    [ -n "${REFERENCE_DIR:-}" ] && cp "$REFERENCE_DIR"/reference_*.json "/tmp/fz_$name/"
+    timeout "$limit" env ${settings[@]+"${settings[@]}"} python3 benchmarks/fuzz_scheduling.py --gpu $args --workdir "/tmp/fz_$name" \
         --out /tmp/fz_results --name "$name" > "/tmp/fz_$name.out" 2> "/tmp/fz_$name.err" &
     i=$((i + 1))
 done < "$jobs_file"
@@ -22,5 +32,9 @@ for f in /tmp/fz_*.err; do echo "== $f"; grep -E "FAILED|Traceback|Error" "$f" |
 grep -h "\[fuzz\]" /tmp/fz_*/*.log | tail -8
 cat /tmp/fz_results/*.md | grep -E "^\| [a-z_]+ .*\| [0-9]|^Totals|^Not finished|^Failed" | cut -c1-600
 tar czf "$OUT/results.tgz" -C /tmp fz_results
-tar czf "$OUT/raw.tgz" /tmp/fz_*.err /tmp/fz_*/*.log /tmp/fz_*/stream_*.json /tmp/fz_*/reference_*.json 2>/dev/null
+for d in /tmp/fz_*/; do
+    job=$(basename "$d")
+    [ "$job" = fz_results ] && continue
+    tar czf "$OUT/raw_${job#fz_}.tgz" "/tmp/$job.err" "$d"*.log "$d"stream_*.json "$d"reference_*.json 2>/dev/null
+done
 ls -la "$OUT"

@@ -39,3 +39,55 @@ def test_speculative_rows_by_mask_and_padding_not_counted():
     kinds = row_kinds(query_lens=[2, 2, 1, 0, 0], num_computed_tokens=[40, 0, 9, 0, 0], paths=paths)
     assert kinds["spec"] == 2 and kinds["fresh_decode"] == 1 and kinds["decode"] == 2
     assert kinds["fresh_prefill"] == 0
+
+
+# --- deliberate breaks for diagnostic fuzz runs (GDN_FUZZ_MUTATION) ----------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from gdn_pass.examples import step_trace  # noqa: E402
+from gdn_pass.vllm import state_guard, step_guard  # noqa: E402
+
+
+@pytest.fixture
+def guard_functions(monkeypatch):
+    """The zeroing entry points of both guards, restored after the test."""
+    for module in (state_guard, step_guard):
+        for name in ("zero_rows", "zero_rows_all"):
+            monkeypatch.setattr(module, name, getattr(module, name))
+
+
+def _fresh_slot_cache():
+    cache = torch.ones(4, 3)
+    slot, fresh = torch.tensor([2, 0]), torch.tensor([True, False])
+    return cache, slot, fresh
+
+
+def test_unmutated_guard_zeroes_the_fresh_slot(guard_functions):
+    step_trace.apply_mutation(None)
+    cache, slot, fresh = _fresh_slot_cache()
+    step_guard.zero_rows(cache, slot, fresh)
+    assert cache[2].eq(0).all() and cache[[0, 1, 3]].eq(1).all()
+
+
+@pytest.mark.parametrize("mutation", ["skip_zeroing", "zeroing_without_writes"])
+def test_mutations_leave_the_fresh_slot_as_it_was(guard_functions, mutation):
+    step_trace.apply_mutation(mutation)
+    for module in (state_guard, step_guard):
+        cache, slot, fresh = _fresh_slot_cache()
+        module.zero_rows(cache, slot, fresh)
+        assert cache.eq(1).all(), (mutation, module.__name__)
+
+
+def test_zeroing_without_writes_still_calls_the_zeroing_with_no_row_fresh(guard_functions, monkeypatch):
+    seen = []
+    monkeypatch.setattr(step_guard, "zero_rows_all", lambda table, slot, fresh: seen.append(fresh.clone()))
+    step_trace.apply_mutation("zeroing_without_writes")
+    step_guard.zero_rows_all("table", torch.tensor([2, 0]), torch.tensor([True, True]))
+    assert len(seen) == 1 and not seen[0].any()
+
+
+def test_unknown_mutation_is_refused_by_name():
+    with pytest.raises(ValueError, match="known mutations are"):
+        step_trace.apply_mutation("zero_everything")

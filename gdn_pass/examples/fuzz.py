@@ -330,6 +330,11 @@ def _engine_main(args) -> None:
     from gdn_pass.examples.vllm_scenarios import make_llm
 
     spec = json.loads(Path(args.spec).read_text())
+    if spec.get("mutation"):
+        from gdn_pass.examples import step_trace
+
+        os.environ[step_trace.MUTATION_ENV] = spec["mutation"]  # worker processes inherit it
+        step_trace.apply_mutation(spec["mutation"])  # a worker in this process
     llm = make_llm(spec["model"], guard=spec["guard"], report_dir=spec.get("report_dir"),
                    worker_extension_cls=TRACE_EXTENSION,
                    **{**engine_settings(spec["config"]), **spec.get("engine_args", {})})
@@ -438,7 +443,10 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                                   prompts=part, engine_args=engine_args or {}),
                              f"reference_{config}_s{seed}_{shard}"))
     for guard in guards:
-        jobs.append((dict(role="stream", model=str(model), guard=guard == "on", config=config,
+        # "on+<mutation>": the pass on, broken on purpose (step_trace.MUTATION_ENV)
+        mutation = guard.partition("+")[2] or None
+        jobs.append((dict(role="stream", model=str(model), guard=guard != "off", config=config,
+                          mutation=mutation,
                           stream=[asdict(r) for r in stream], engine_args=engine_args or {},
                           trace_detail=trace_detail,
                           report_dir=str(workdir / f"reports_{config}_s{seed}_{guard}")),

@@ -17,11 +17,22 @@ step (mode, real and padded token counts). ``gdn_zero_caches`` zeroes the
 worker's caches, which is how the fuzz's reference engine starts each prompt
 from a fresh engine's state. Test instrumentation only: the plugin itself
 never installs it.
+
+``GDN_FUZZ_MUTATION`` in the environment changes the guard on purpose in
+every worker that loads this extension, for diagnostic runs:
+
+    skip_zeroing            the pass rewrites and stages, but no zeroing kernel
+                            runs: the guard is broken (what its presence alone
+                            changes, and proof that the fuzz catches a broken guard)
+    zeroing_without_writes  the zeroing kernels run with every row marked not
+                            fresh: the same launches, no write (what the writes
+                            change, apart from the launches)
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections import Counter
 
 __all__ = ["StepTrace", "row_kinds", "row_paths", "fill_caches"]
@@ -141,7 +152,8 @@ class StepTrace:
                     all_slots = [] if slots is None else slots.tolist()
                     state["steps"][-1]["detail"] = dict(
                         req_ids=ids[: m.num_reqs], query_lens=qlens.tolist(), computed=computed.tolist(),
-                        slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills)
+                        slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills,
+                        dispatch=state["dispatch"])
                 state["dispatch"] = None
             return md
 
@@ -201,3 +213,50 @@ class StepTrace:
                     one_token_paths=dict(state.get("one_token_paths", {})),
                     fresh_reads=dict(state.get("fresh_reads", {})),
                     spec_steps=sum(s["rows"]["spec"] > 0 for s in steps))
+
+
+MUTATION_ENV = "GDN_FUZZ_MUTATION"
+
+
+def _skip_zeroing() -> None:
+    from gdn_pass.vllm import state_guard, step_guard
+
+    def no_write(*args, **kwargs):
+        return None
+
+    for module in (state_guard, step_guard):
+        module.zero_rows = module.zero_rows_all = no_write
+
+
+def _zeroing_without_writes() -> None:
+    import torch
+
+    from gdn_pass.vllm import state_guard, step_guard
+
+    def without_writes(zero):
+        @functools.wraps(zero)
+        def launch(cache_or_table, slot, fresh):
+            return zero(cache_or_table, slot, torch.zeros_like(fresh))
+
+        return launch
+
+    for module in (state_guard, step_guard):
+        module.zero_rows = without_writes(module.zero_rows)
+        module.zero_rows_all = without_writes(module.zero_rows_all)
+
+
+_MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes}
+
+
+def apply_mutation(name: str | None) -> None:
+    """Apply the named deliberate break (``MUTATION_ENV``); ``None`` or "" applies none."""
+    if not name:
+        return
+    if name not in _MUTATIONS:
+        raise ValueError(f"{MUTATION_ENV}={name!r}: known mutations are {sorted(_MUTATIONS)}")
+    _MUTATIONS[name]()
+
+
+# vLLM imports this module in every worker before it builds the model, so the
+# break is in place before any graph is captured.
+apply_mutation(os.environ.get(MUTATION_ENV))

@@ -60,7 +60,9 @@ def checkpoints(engine_dir, qwen3_next_checkpoint):
 @pytest.mark.parametrize("config", ["preempt_prefix_hits", "bad_input_under_load"])
 def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, checkpoints, config):
     model = checkpoints[fz.CONFIG_CHECKPOINT.get(config, "qwen3_next")]
-    summary = fz.fuzz(model, engine_dir / "fuzz", seed=0, num_requests=40,
+    # bad input also runs the pass with its guard broken on purpose: the fuzz must catch that
+    broken = ("on+skip_zeroing",) if config == "bad_input_under_load" else ()
+    summary = fz.fuzz(model, engine_dir / "fuzz", seed=0, num_requests=40, guards=("off", "on", *broken),
                       config=config, python=sys.executable, progress=lambda m: None)
     off, on = summary["runs"]["off"], summary["runs"]["on"]
     assert on["fresh_decode_steps"] > 0
@@ -79,3 +81,5 @@ def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, che
         assert on["trace"]["rows"]["continuation"] > 0
     if config == "bad_input_under_load":
         assert on["rejected"] > 0 and on["aborted"] > 0
+        assert summary["runs"]["on+skip_zeroing"]["first_token_mismatches"] > 0, \
+            "a pass whose guard zeroes nothing must fail the fuzz"
