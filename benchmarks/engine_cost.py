@@ -124,10 +124,10 @@ class HookClock:
         return timed
 
 
-def _params(max_tokens: int):
+def _params(max_tokens: int, logprobs: int | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=logprobs)
 
 
 class Engine:
@@ -143,6 +143,12 @@ class Engine:
         self.clock = HookClock() if self.guarded and in_process else None
         self.llm = make_llm(spec["model"], guard=self.guarded, **args)
         self.engine = self.llm.llm_engine
+        from gdn_pass.vllm.gdn_state_pass import configured_pass
+
+        configured = configured_pass(self.engine.vllm_config.compilation_config) is not None
+        if configured != self.guarded:
+            raise RuntimeError(f"the {spec['engine']} engine has GDNStatePass "
+                               f"{'configured' if configured else 'not configured'}: its variants would be mislabelled")
         self.serial = 0
         self.max_tokens = args["max_model_len"] - 64
 
@@ -155,11 +161,14 @@ class Engine:
         return {}
 
     def fresh_row_check(self) -> dict:
-        """A fresh one-token row's tokens next to decoding rows, on zeroed and on poisoned caches.
+        """A fresh one-token row's tokens and logprobs next to decoding rows, on zeroed and on poisoned caches.
 
         The caches are filled once the decoding rows run, just before the fresh
         row joins them: whichever slot it gets, never used or recycled from a
         finished request (whose state is the same in both runs), holds the fill.
+        Logprobs, not only tokens: with ``load_format="dummy"`` weights the
+        greedy token barely depends on the state (a 12-layer run gave token 7
+        every time, for the unguarded engine too), its logprob does.
         """
         if self.engine.vllm_config.scheduler_config.max_num_seqs < 4:
             raise RuntimeError("the fresh-row check needs max_num_seqs >= 4 (3 decoding rows and the fresh one)")
@@ -172,17 +181,18 @@ class Engine:
             for _ in range(3):
                 self.engine.step()
             self.llm.collective_rpc("bench_fill_caches", args=(fill,))
-            fresh = self._add([7], 4)
+            fresh = self._add([7], 4, logprobs=0)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
                     if out.request_id == fresh and out.finished:
-                        tokens[fill] = list(out.outputs[0].token_ids)
+                        got = out.outputs[0]
+                        tokens[fill] = [[t, step[t].logprob] for t, step in zip(got.token_ids, got.logprobs)]
         return dict(zeroed=tokens[0.0], poisoned=tokens[100.0], fresh_state=tokens[0.0] == tokens[100.0])
 
-    def _add(self, prompt: list[int], max_tokens: int) -> str:
+    def _add(self, prompt: list[int], max_tokens: int, logprobs: int | None = None) -> str:
         self.serial += 1
         rid = f"r{self.serial}"
-        self.engine.add_request(rid, {"prompt_token_ids": prompt}, _params(max_tokens))
+        self.engine.add_request(rid, {"prompt_token_ids": prompt}, _params(max_tokens, logprobs))
         return rid
 
     def _drain(self) -> None:
@@ -280,7 +290,15 @@ def _ask(engines, variant: str, **command) -> dict:
     return reply
 
 
-def run(args) -> dict:
+def run(args, save=lambda result: None) -> dict:
+    """The whole measurement; ``save`` gets the result so far after every phase.
+
+    Order: engine start, the fresh-row check, one round of the step cases, the
+    stream, then more rounds while ``args.time_budget`` (seconds since the
+    start, 0: no limit) allows, so that a run cut short still has every case
+    and the stream.
+    """
+    started = time.time()
     workdir = Path(args.workdir)
     model = write_model(args.dims, args.layers, workdir / f"model_{args.dims}_{args.layers}")
     engine_args = dict(load_format="dummy" if args.dims != "tiny" else "auto",
@@ -303,33 +321,75 @@ def run(args) -> dict:
                                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                                       VLLM_ALLREDUCE_USE_SYMM_MEM="0") if args.gpu else {})))
              for e in ("plain", "gdn-pass")}
-    started = time.time()
     engines = _start(specs)
     start_s = time.time() - started
+    print(f"engines started in {start_s:.0f} s", file=sys.stderr, flush=True)
     checks = {v: _ask(engines, v, op="fresh_row_check") for v in (*VARIANTS, "one-line-only")}
     print(f"fresh-row check: {json.dumps(checks)}", file=sys.stderr, flush=True)
+    # The check proves something only if it catches the unguarded engine reading the slot.
+    check_valid = (not checks["unguarded"]["fresh_state"] and checks["gdn-pass"]["fresh_state"]
+                   and checks["alternative"]["fresh_state"])
     cases = [(b, f) for b in args.batches for f in sorted({0, 1, b // 2}) if f <= b]
-    times: dict[str, dict[str, list]] = {f"B={b} fresh={f}": {v: [] for v in VARIANTS} for b, f in cases}
-    hooks: dict[str, list] = {f"B={b} fresh={f}": [] for b, f in cases}
-    hook_parts: dict[str, list] = {f"B={b} fresh={f}": [] for b, f in cases}
+    keys = [f"B={b} fresh={f}" for b, f in cases]
+    times: dict[str, dict[str, list]] = {k: {v: [] for v in VARIANTS} for k in keys}
+    hooks: dict[str, list] = {k: [] for k in keys}
+    hook_parts: dict[str, list] = {k: [] for k in keys}
+    streams: dict[str, list] = {v: [] for v in VARIANTS}
+    import vllm
+
+    def result(rounds_done: int) -> dict:
+        return dict(command="python benchmarks/engine_cost.py " + " ".join(sys.argv[1:]),
+                    machine=platform.machine(), vllm=vllm.__version__, dims=args.dims, layers=args.layers,
+                    engine_start_s=round(start_s, 1), rounds=rounds_done, steps=args.steps,
+                    fresh_row_check=checks, check_valid=check_valid,
+                    rows=_rows(times, hooks, hook_parts) if rounds_done else [],
+                    stream=_stream_result(streams))
+
+    def out_of_time() -> bool:
+        return bool(args.time_budget) and time.time() - started > args.time_budget
+
+    def measure_stream() -> None:
+        # Each variant first runs a short stream unmeasured: the first prefills of new
+        # shapes autotune Triton kernels and would be charged to whichever variant ran first.
+        for v in VARIANTS:
+            _ask(engines, v, op="stream", requests=args.stream_warmup, seed=1000)
+        for sr in range(args.stream_rounds):
+            if sr > 0 and out_of_time():
+                print(f"time budget spent after {sr} stream round(s)", file=sys.stderr, flush=True)
+                break
+            for v in VARIANTS[sr % 3:] + VARIANTS[:sr % 3]:
+                streams[v].append(_ask(engines, v, op="stream", requests=args.stream, seed=sr)["tokens_per_s"])
+        print(f"stream done at {time.time() - started:.0f} s", file=sys.stderr, flush=True)
+
+    save(result(0))
+    if args.rounds == 0 and args.stream_rounds:  # the stream alone
+        measure_stream()
+        save(result(0))
+    rounds_done = 0
     for r in range(args.rounds):
+        if r > 0 and out_of_time():
+            print(f"time budget spent after {r} round(s)", file=sys.stderr, flush=True)
+            break
         order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
-        for b, f in cases:
-            key = f"B={b} fresh={f}"
+        for (b, f), key in zip(cases, keys):
             for v in order:
                 reply = _ask(engines, v, op="steps", batch=b, fresh=f, steps=args.steps, warmup=args.warmup)
                 times[key][v].append(reply["step_s"])
                 if reply["hook_s"] is not None:
                     hooks[key].append(reply["hook_s"] / reply["step_s"])
                     hook_parts[key].append(reply["hook_parts_s"])
-        print(f"round {r + 1}/{args.rounds} done", file=sys.stderr, flush=True)
-    streams: dict[str, list] = {v: [] for v in VARIANTS}
-    for r in range(args.stream_rounds):
-        for v in VARIANTS[r % 3:] + VARIANTS[:r % 3]:
-            streams[v].append(_ask(engines, v, op="stream", requests=args.stream, seed=r)["tokens_per_s"])
+        rounds_done = r + 1
+        print(f"round {rounds_done}/{args.rounds} done at {time.time() - started:.0f} s", file=sys.stderr, flush=True)
+        if r == 0 and args.stream_rounds:  # right after the first round: a run cut short still has it
+            measure_stream()
+        save(result(rounds_done))
     for proc, conn in engines.values():
         conn.send(None)
         proc.join(timeout=60)
+    return result(rounds_done)
+
+
+def _rows(times: dict, hooks: dict, hook_parts: dict) -> list[dict]:
     median = statistics.median
     rows = []
     for key, by_variant in times.items():
@@ -341,17 +401,16 @@ def run(args) -> dict:
                          hook_parts_us={k: round(median(p[k] for p in hook_parts[key]) * 1e6, 1)
                                         for k in (hook_parts[key][0] if hook_parts[key] else {})},
                          samples={v: [round(t * 1e3, 3) for t in ts] for v, ts in by_variant.items()}))
-    stream_base = median(streams["unguarded"]) if args.stream_rounds else None
-    stream = (dict(unguarded_tokens_per_s=round(stream_base, 1),
-                   **{f"{v}_ratio": round(median(streams[v]) / stream_base, 4) for v in VARIANTS[1:]},
-                   samples=streams) if args.stream_rounds else None)
-    import vllm
+    return rows
 
-    return dict(command="python benchmarks/engine_cost.py " + " ".join(sys.argv[1:]),
-                machine=platform.machine(), vllm=vllm.__version__, dims=args.dims, layers=args.layers,
-                engine_start_s=round(start_s, 1), rounds=args.rounds, steps=args.steps,
-                fresh_row_check=checks, rows=rows,
-                stream=stream)
+
+def _stream_result(streams: dict) -> dict | None:
+    if not streams["unguarded"]:
+        return None
+    base = statistics.median(streams["unguarded"])
+    return dict(unguarded_tokens_per_s=round(base, 1),
+                **{f"{v}_ratio": round(statistics.median(streams[v]) / base, 4) for v in VARIANTS[1:]},
+                samples=streams)
 
 
 def render(result: dict) -> str:
@@ -363,12 +422,17 @@ def render(result: dict) -> str:
              f"each cell is the median over {result['rounds']} rounds of the mean step time over "
              f"{result['steps']} steps. Ratios are to the unguarded engine, measured in the same run. With no "
              f"fresh row the alternative runs exactly plain vLLM's code: its ratio there is this run's noise.", "",
-             "Fresh-row check (a new one-token request next to decoding ones; same tokens on zeroed "
-             "and on poisoned caches means its slot was not read): "
+             "Fresh-row check (a new one-token request next to decoding ones; the same tokens and "
+             "logprobs on zeroed and on poisoned caches means its slot was not read): "
              + ", ".join(f"{v} {'fresh' if c['fresh_state'] else 'READS THE SLOT'}"
                          for v, c in result["fresh_row_check"].items()) + ".", "",
-             "| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
-             "| gdn-pass hook host time / step | of it, us/step by function |", "|---|---|---|---|---|---|"]
+             *([] if result.get("check_valid") else [
+                 "**The check is not valid in this run** (it must catch the unguarded engine reading "
+                 "the slot, and find gdn-pass and the alternative fresh): the timings below are not "
+                 "evidence for the fix's cost.", ""]),
+             *(["| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
+                "| gdn-pass hook host time / step | of it, us/step by function |", "|---|---|---|---|---|---|"]
+               if result["rows"] else [])]
     for r in result["rows"]:
         share = "-" if r["hook_share"] is None else f"{r['hook_share']:.2%}"
         parts = ", ".join(f"{k} {v}" for k, v in sorted(r["hook_parts_us"].items(), key=lambda kv: -kv[1]))
@@ -376,7 +440,8 @@ def render(result: dict) -> str:
                      f"| x{r['alternative_ratio']} | {share} | {parts or '-'} |")
     if result["stream"]:
         s = result["stream"]
-        lines += ["", f"Serving-like stream: unguarded {s['unguarded_tokens_per_s']} output tokens/s; "
+        lines += ["", f"Serving-like stream ({len(s['samples']['unguarded'])} round(s), after an unmeasured "
+                      f"warm-up stream per variant): unguarded {s['unguarded_tokens_per_s']} output tokens/s; "
                       f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']} "
                       "(ratios of tokens/s; higher is faster)."]
     return "\n".join(lines) + "\n"
@@ -388,11 +453,13 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--gpu", action="store_true", help="CUDA vLLM 0.26 settings (memory, GDN prefill backend)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of the step cases (0: the stream alone)")
     ap.add_argument("--steps", type=int, default=20, help="timed steps per case and round")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--stream", type=int, default=1000, help="requests in the serving-like stream")
-    ap.add_argument("--stream-rounds", type=int, default=1)
+    ap.add_argument("--stream-rounds", type=int, default=3, help="measured stream rounds (0: no stream)")
+    ap.add_argument("--stream-warmup", type=int, default=100,
+                    help="requests of the unmeasured stream each variant runs first")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
@@ -400,15 +467,20 @@ def main() -> int:
     ap.add_argument("--workdir", default="artifacts/engine_cost")
     ap.add_argument("--out", default=None, help="directory for engine_cost.json / .md")
     ap.add_argument("--name", default="engine_cost")
+    ap.add_argument("--time-budget", type=float, default=0,
+                    help="seconds from the start after which no further round begins (0: all rounds)")
     args = ap.parse_args()
-    result = run(args)
-    text = render(result)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-        (out / f"{args.name}.md").write_text(text)
+
+    def save(result: dict) -> None:
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
+            (out / f"{args.name}.md").write_text(render(result))
+
+    result = run(args, save)
+    save(result)
+    print(render(result))
     return 0
 
 

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 14's GPU measurements in one device call on nvidia-h200-x2 (vLLM 0.26
+# bundle already unpacked: ../shared/gpu-vllm/README.md):
+#   GPU 0: benchmarks/engine_cost.py, Qwen3-Next-80B layer dimensions, LAYERS layers
+#          (both engines on the one GPU, measured in turn); PART is "steps" (the step
+#          cases, rounds while the time budget lasts) or "stream" (the serving-like
+#          stream alone): engine start takes about 215 s, so one call does one part.
+#   GPU 1: benchmarks/gated_read_overhead.py on the FLA layer at B=256, three runs
+#          (needs .whl/ carried with fla-core and einops wheels).
+# Everything lands in $OUT: engine_cost_<PART>.{json,md,log}, gated_read_overhead.tgz.
+#
+#   bash benchmarks/gpu_cost_round.sh PART [LAYERS] [TIME_BUDGET_S]
+set -u
+part=$1 layers=${2:-12} budget=${3:-440}
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site-project VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/fla_core-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-fla .whl/*.whl
+    (
+        for i in 1 2 3; do
+            CUDA_VISIBLE_DEVICES=1 PYTHONPATH=$PYTHONPATH:/tmp/site-fla python3 benchmarks/gated_read_overhead.py \
+                --models fla --batches 256 --rounds 9 --out /tmp/gro/run$i
+        done > /tmp/gro.log 2>&1
+    ) &
+fi
+case $part in
+    steps) what=(--rounds 9 --stream-rounds 0) ;;
+    stream) what=(--rounds 0 --stream-rounds 3) ;;
+    *) echo "PART is steps or stream" >&2; exit 2 ;;
+esac
+CUDA_VISIBLE_DEVICES=0 timeout $((budget + 120)) python3 benchmarks/engine_cost.py --dims qwen3-next-80b \
+    --layers "$layers" --gpu "${what[@]}" --time-budget "$budget" --workdir /tmp/ec --out "$OUT" \
+    --name "engine_cost_$part" > "$OUT/engine_cost_$part.log" 2>&1
+echo "engine_cost exit $?"
+wait
+grep -h "| fla | 256" /tmp/gro/run*/gated_read_overhead.md 2>/dev/null
+[ -d /tmp/gro ] && tar czf "$OUT/gated_read_overhead.tgz" -C /tmp gro gro.log
+cat "$OUT/engine_cost_$part.md" 2>/dev/null
+grep -E "started in|fresh-row|round|stream done|budget|Error" "$OUT/engine_cost_$part.log" | cut -c1-300
