@@ -31,12 +31,6 @@ from gdn_pass.examples.fuzz import CONFIG_STREAM, engine_settings, make_stream  
 from gdn_pass.examples.fuzz_judge import fresh_reads, perturbed_by_pass  # noqa: E402
 
 
-def first_difference(got: dict, want: dict) -> int | None:
-    """Index of the first token whose id or logprob differs, over the shorter output; None if none."""
-    pairs = zip(got.get("tokens", []), got.get("logprobs", []), want.get("tokens", []), want.get("logprobs", []))
-    return next((i for i, (t, lp, rt, rlp) in enumerate(pairs) if t != rt or lp != rlp), None)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", required=True)
@@ -58,16 +52,10 @@ def main() -> int:
         out["pairs"][f"{a} vs {b}"] = dict(sorted(differ.items(), key=lambda kv: int(kv[0][1:])))
     if args.reference:
         reference = json.loads(Path(args.reference).read_text())
+        # each request's reference under its own id, compared by the same bit-for-bit rule
+        alone = {r.rid: reference[key] for r in stream if (key := json.dumps(list(r.prompt))) in reference}
         for label, run in runs.items():
-            differ = {}
-            for r in stream:
-                want, got = reference.get(json.dumps(list(r.prompt))), run["results"].get(r.rid)
-                if r.rid in acted or not want or not got or "logprobs" not in want or "logprobs" not in got:
-                    continue
-                k = first_difference(got, want)
-                if k is not None:
-                    differ[r.rid] = k
-            out["from_reference"][label] = differ
+            out["from_reference"][label] = perturbed_by_pass(alone, run["results"], acted)
     print(json.dumps(out))
     for pair, differ in out["pairs"].items():
         print(f"{pair}: {len(differ)} request(s) the guard never acted on differ", file=sys.stderr)
