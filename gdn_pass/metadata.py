@@ -14,6 +14,13 @@ batch, and refreshed in place before every step:
     fresh row   = valid & ~has_initial_state   -> state must read as zero
     padding row = ~valid                       -> must neither read nor write
 
+A fresh row only needs its slot zeroed where the kernels it runs read the
+slot whatever ``has_initial_state`` says (vLLM's decode and speculative
+paths). Callers that know the kernel path of each row say so with
+``reads_slot``; ``fresh`` then marks only those rows:
+
+    fresh (to zero) = valid & ~has_initial_state & reads_slot
+
 A row is padding when its query length is zero or its slot id is a padding
 sentinel (``-1``, vLLM's ``PAD_SLOT_ID``; ``0``, vLLM's ``NULL_BLOCK_ID``
 since vllm#39064). Rows past the staged batch are padding too.
@@ -51,7 +58,9 @@ class StagedRowMetadata:
         has_initial_state: bool, the row has computed tokens before this step.
         valid: bool, the row is a real request row.
         reads_state: bool, ``valid & has_initial_state``: the row may read its slot.
-        fresh: bool, ``valid & ~has_initial_state``: the row's slot must read as zero.
+        fresh: bool, ``valid & ~has_initial_state & reads_slot``: the row's slot
+            must read as zero and its kernels would read it (every row without
+            ``reads_slot``).
         state_slot: int64, the state slot the row reads and writes (for a
             restored speculative row, its first column; see
             ``gdn_pass.vllm.metadata_hook.stage_rows``), or the first padding
@@ -103,6 +112,7 @@ class StagedRowMetadata:
         num_computed_tokens: torch.Tensor,
         query_lens: torch.Tensor,
         state_slots: torch.Tensor,
+        reads_slot: torch.Tensor | None = None,
     ) -> None:
         """Refresh the buffers in place for one step of ``n`` rows.
 
@@ -112,6 +122,10 @@ class StagedRowMetadata:
             query_lens: ``[n]`` integer, tokens each row runs this step
                 (0 for a padding row).
             state_slots: ``[n]`` integer, the state slot of each row.
+            reads_slot: ``[n]`` bool on the host, or None (every row): rows whose
+                kernels read their slot even without initial state. Only these
+                rows can be ``fresh``; the others' kernels start from zero state
+                by themselves (vLLM's prefill paths).
 
         Rows ``n .. max_rows-1`` become padding. Inputs may live on any device;
         the copies are asynchronous and never synchronize the host.
@@ -121,6 +135,10 @@ class StagedRowMetadata:
             query_lens=query_lens,
             state_slots=state_slots,
         )
+        if reads_slot is not None and (reads_slot.dtype != torch.bool or tuple(reads_slot.shape) != (n,)):
+            raise MetadataError(
+                f"reads_slot must be a bool tensor of shape ({n},), got {reads_slot.dtype} "
+                f"{tuple(reads_slot.shape)}")
         slots = state_slots.to(self.device, non_blocking=True)
         is_pad_slot = torch.zeros_like(slots, dtype=torch.bool)
         for sentinel in self.pad_slot_ids:
@@ -135,6 +153,8 @@ class StagedRowMetadata:
         torch.logical_and(self.valid, self.has_initial_state, out=self.reads_state)
         torch.logical_not(self.has_initial_state, out=self.fresh)
         self.fresh.logical_and_(self.valid)
+        if reads_slot is not None:
+            self.fresh[:n].logical_and_(reads_slot.to(self.device, non_blocking=True))
         self.state_slot[n:].fill_(self.pad_slot_ids[0])
         self.num_rows = n
 

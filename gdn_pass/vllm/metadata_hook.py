@@ -179,6 +179,13 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
     decode that reads its (recycled) slot. ``draft_counts`` is the build's
     ``num_decode_draft_tokens_cpu`` (host copy of the speculative mask).
 
+    Only rows on a path whose kernels read the slot whatever
+    ``has_initial_state`` says are staged as fresh (to be zeroed): the first
+    ``metadata.num_decodes`` non-speculative rows (the builder's decodes,
+    batch order puts them first) and every speculative row. A fresh row on
+    the prefill path needs nothing: vLLM's prefill kernels start a row without
+    initial state from zero state themselves (they zero or mask its slot).
+
     Returns the number of fresh rows as the host sees them (an upper bound of
     the staged ``fresh``: it does not know padding sentinels), without a sync.
     """
@@ -187,6 +194,7 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
     computed = compat.num_computed_tokens(common, query_lens)
     non_spec_slots = metadata.non_spec_state_indices_tensor
     spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
+    num_decodes = int(metadata.num_decodes)
     if metadata.spec_sequence_masks is None:
         parts = [(query_lens, computed, non_spec_slots)]
     else:
@@ -196,8 +204,8 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
             spec = metadata.spec_sequence_masks[:num_reqs].cpu()
         parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
                  (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
-    lens, done, slots = [], [], []
-    for part_lens, part_done, part_slots in parts:
+    lens, done, slots, reads = [], [], [], []
+    for k, (part_lens, part_done, part_slots) in enumerate(parts):
         if part_slots is None:
             if int((part_lens > 0).sum()):
                 raise MetadataError(
@@ -213,14 +221,17 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
         lens.append(part_lens)
         done.append(part_done)
         slots.append(part_slots)
+        # part 0: non-speculative rows, decodes first; part 1: speculative rows, all read
+        reads.append(torch.arange(part_lens.numel()) < num_decodes if k == 0
+                     else torch.ones(part_lens.numel(), dtype=torch.bool))
     if not slots:
         empty = torch.zeros(0, dtype=torch.int64)
         rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
         return 0
-    query_lens, computed = torch.cat(lens), torch.cat(done)
+    query_lens, computed, reads_slot = torch.cat(lens), torch.cat(done), torch.cat(reads)
     slots = slots[0] if len(slots) == 1 else torch.cat([s.to(slots[0].dtype) for s in slots])
-    rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots)
-    return int(((computed == 0) & (query_lens > 0)).sum())
+    rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots, reads_slot=reads_slot)
+    return int(((computed == 0) & (query_lens > 0) & reads_slot).sum())
 
 
 def _warn_about_mode(vllm_config, configured: bool) -> None:

@@ -32,8 +32,10 @@ def common_metadata(computed, qlens, *, with_cpu_seq_lens=True, pad_to=None):
     )
 
 
-def gdn_metadata(slots, spec_mask=None, spec_slots=None):
+def gdn_metadata(slots, spec_mask=None, spec_slots=None, *, num_decodes):
+    """``num_decodes``: the builder's decodes, the leading non-speculative rows."""
     return SimpleNamespace(
+        num_decodes=num_decodes,
         non_spec_state_indices_tensor=None if slots is None else torch.tensor(slots, dtype=torch.int32),
         spec_sequence_masks=None if spec_mask is None else torch.tensor(spec_mask),
         spec_state_indices_tensor=None if spec_slots is None else torch.tensor(spec_slots, dtype=torch.int32),
@@ -45,7 +47,7 @@ def test_fresh_one_token_row_among_decodes(with_cpu_seq_lens):
     # The bug's step: every row has one token; row 1 is brand new on slot 4.
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([9, 0, 30], [1, 1, 1], with_cpu_seq_lens=with_cpu_seq_lens)
-    metadata_hook.stage_rows(rows, common, gdn_metadata([3, 4, 5]))
+    metadata_hook.stage_rows(rows, common, gdn_metadata([3, 4, 5], num_decodes=3))
     assert rows.has_initial_state[:3].tolist() == [True, False, True]
     assert rows.valid[:3].tolist() == [True, True, True]
     assert rows.fresh_slots().tolist() == [4]
@@ -56,10 +58,22 @@ def test_mixed_batch_with_padding_sentinels():
     # decode, continued chunk, one-token continued chunk, fresh prefill, 2 padding rows
     common = common_metadata([5, 64, 64, 0], [1, 32, 1, 7], pad_to=6)
     sentinel = compat.pad_slot_ids()[-1]
-    metadata_hook.stage_rows(rows, common, gdn_metadata([3, 4, 5, 6, sentinel, sentinel]))
+    fresh = metadata_hook.stage_rows(rows, common, gdn_metadata([3, 4, 5, 6, sentinel, sentinel], num_decodes=1))
     assert rows.valid.tolist() == [True] * 4 + [False] * 4
     assert rows.has_initial_state[:4].tolist() == [True, True, True, False]
-    assert rows.fresh_slots().tolist() == [6]
+    assert rows.reads_state[:4].tolist() == [True, True, True, False]
+    # the fresh row is on the prefill path, whose kernels start it from zero state: nothing to zero
+    assert rows.fresh_slots().tolist() == [] and fresh == 0
+
+
+def test_fresh_one_token_row_ahead_of_a_prefill_is_zeroed_the_fresh_prefill_is_not():
+    # vLLM's split counts every leading one-token row as a decode: the new
+    # one-token row (slot 7) reads its slot; the new 8-token prompt (slot 9) does not
+    rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
+    common = common_metadata([12, 0, 0], [1, 1, 8])
+    fresh = metadata_hook.stage_rows(rows, common, gdn_metadata([3, 7, 9], num_decodes=2))
+    assert rows.has_initial_state[:3].tolist() == [True, False, False]
+    assert rows.fresh_slots().tolist() == [7] and fresh == 1
 
 
 @pytest.mark.parametrize("host_counts", [True, False])
@@ -69,14 +83,17 @@ def test_speculative_rows_are_staged_with_their_initial_state_slot(host_counts):
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([5, 0, 40], [3, 1, 3])
     draft_counts = torch.tensor([2, -1, 2]) if host_counts else None
+    # with speculative rows in the step vLLM runs every non-speculative row through
+    # its prefill kernels (num_decodes 0), which start a fresh row from zero state
     fresh = metadata_hook.stage_rows(
-        rows, common, gdn_metadata([9], spec_mask=[True, False, True], spec_slots=[[3, 4, 5], [6, 7, 8]]),
+        rows, common, gdn_metadata([9], spec_mask=[True, False, True], spec_slots=[[3, 4, 5], [6, 7, 8]],
+                                   num_decodes=0),
         draft_counts)
     assert rows.num_rows == 3
     assert rows.state_slot[:3].tolist() == [9, 3, 6]  # non-spec first, then spec column 0
     assert rows.has_initial_state[:3].tolist() == [False, True, True]
-    assert rows.fresh_slots().tolist() == [9]
-    assert fresh == 1
+    assert rows.fresh_slots().tolist() == []
+    assert fresh == 0
 
 
 def test_fresh_row_padded_into_a_speculative_row_is_fresh():
@@ -86,7 +103,7 @@ def test_fresh_row_padded_into_a_speculative_row_is_fresh():
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([40, 0], [2, 2])  # R2 decoding with 1 draft; R3 brand new, padded
     fresh = metadata_hook.stage_rows(
-        rows, common, gdn_metadata(None, spec_mask=[True, True], spec_slots=[[3, 4], [6, 7]]),
+        rows, common, gdn_metadata(None, spec_mask=[True, True], spec_slots=[[3, 4], [6, 7]], num_decodes=0),
         torch.tensor([1, 1]))
     assert rows.fresh_slots().tolist() == [6]
     assert rows.has_initial_state[:2].tolist() == [True, False]
@@ -96,7 +113,7 @@ def test_fresh_row_padded_into_a_speculative_row_is_fresh():
 def test_row_count_mismatch_is_an_error():
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     with pytest.raises(MetadataError, match="state slots for 2 scheduler rows"):
-        metadata_hook.stage_rows(rows, common_metadata([1, 2], [1, 1]), gdn_metadata([3, 4, 5]))
+        metadata_hook.stage_rows(rows, common_metadata([1, 2], [1, 1]), gdn_metadata([3, 4, 5], num_decodes=2))
 
 
 def test_pad_slot_ids_of_this_vllm():

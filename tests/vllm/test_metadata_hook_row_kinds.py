@@ -18,7 +18,14 @@ for each kind of row:
   drafts, and a restored request padded the same way.
 
 Per request it checks the staged ``has_initial_state``, ``valid``, the slot
-the staged row names, and which cache slots the step guard really zeroed.
+the staged row names, and which cache slots the step guard really zeroed:
+those of the fresh rows that vLLM's split puts on a path whose kernels read
+the slot whatever ``has_initial_state`` says (its decodes, the first
+``num_decodes`` non-speculative rows, and its speculative rows). A fresh row
+on the prefill path keeps its slot as it was: vLLM's prefill starts it from
+zero state itself (``qwen_gdn_linear_attn.py``: ``initial_state[~prefill_has_initial_state]
+= 0``; ``causal_conv1d.py`` loads no prior tokens without initial state; the
+CPU op zeroes ``ssm_state[no_initial_state]``).
 Every expected value comes from vLLM's own fields, with the vLLM source that
 gives it (read in vLLM 0.26, 0.27 and 0.30), never from the hook.
 
@@ -322,6 +329,20 @@ SPEC_ALIGN_MODE = [
 ]
 
 
+def reads_slot_regardless(reqs, metadata) -> list[bool]:
+    """Per request, by vLLM's own split: does its path read the slot whatever
+    ``has_initial_state`` says? Speculative rows do; of the others (batch
+    order), the builder's first ``num_decodes`` (``gdn_attn.py`` ``build``)."""
+    out, non_spec = [], 0
+    for r in reqs:
+        if r.drafts >= 0:
+            out.append(True)
+            continue
+        out.append(non_spec < metadata.num_decodes)
+        non_spec += 1
+    return out
+
+
 def check_step(reqs, cache_mode, metadata, rows, caches):
     # The case table itself follows vLLM's read rule (catches a typo in a slot).
     assert [r.reads for r in reqs] == [kernel_read_slot(r, cache_mode) for r in reqs]
@@ -329,10 +350,12 @@ def check_step(reqs, cache_mode, metadata, rows, caches):
     # Each request is staged once, naming the slot vLLM reads, as a real row,
     # restored exactly when tokens were computed before this step.
     assert staged_by_slot(rows) == {r.reads: (r.restored, True) for r in reqs}
-    fresh = {r.reads for r in reqs if not r.restored}
+    read_anyway = reads_slot_regardless(reqs, metadata)
+    fresh = {r.reads for r, reads in zip(reqs, read_anyway) if not r.restored and reads}
     assert set(rows.fresh_slots().tolist()) == fresh
-    # The step guard zeroed exactly the fresh rows' slots, in every cache: a
-    # restored row's state (a prefix hit's copied state included) is untouched.
+    # The step guard zeroed exactly the slots of the fresh rows whose kernels
+    # read them, in every cache: a restored row's state (a prefix hit's copied
+    # state included) and a fresh prefill's recycled slot are untouched.
     assert zeroed_slots(caches) == [fresh] * len(caches)
 
 
