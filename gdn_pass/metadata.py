@@ -16,10 +16,11 @@ batch, and refreshed in place before every step:
 
 A fresh row only needs its slot zeroed where the kernels it runs read the
 slot whatever ``has_initial_state`` says (vLLM's decode and speculative
-paths). Callers that know the kernel path of each row say so with
-``reads_slot``; ``fresh`` then marks only those rows:
+paths). Callers that know which rows run kernels that start a row without
+initial state from zero state themselves (vLLM's prefill path: one run of
+rows) say so with ``zero_start_rows``; ``fresh`` leaves those rows out:
 
-    fresh (to zero) = valid & ~has_initial_state & reads_slot
+    fresh (to zero) = valid & ~has_initial_state & ~zero_start_rows
 
 A row is padding when its query length is zero or its slot id is a padding
 sentinel (``-1``, vLLM's ``PAD_SLOT_ID``; ``0``, vLLM's ``NULL_BLOCK_ID``
@@ -58,9 +59,8 @@ class StagedRowMetadata:
         has_initial_state: bool, the row has computed tokens before this step.
         valid: bool, the row is a real request row.
         reads_state: bool, ``valid & has_initial_state``: the row may read its slot.
-        fresh: bool, ``valid & ~has_initial_state & reads_slot``: the row's slot
-            must read as zero and its kernels would read it (every row without
-            ``reads_slot``).
+        fresh: bool, ``valid & ~has_initial_state``, outside ``zero_start_rows``:
+            the row's slot must read as zero and its kernels would read it.
         state_slot: int64, the state slot the row reads and writes (for a
             restored speculative row, its first column; see
             ``gdn_pass.vllm.metadata_hook.stage_rows``), or the first padding
@@ -112,7 +112,7 @@ class StagedRowMetadata:
         num_computed_tokens: torch.Tensor,
         query_lens: torch.Tensor,
         state_slots: torch.Tensor,
-        reads_slot: torch.Tensor | None = None,
+        zero_start_rows: tuple[int, int] | None = None,
     ) -> None:
         """Refresh the buffers in place for one step of ``n`` rows.
 
@@ -122,10 +122,10 @@ class StagedRowMetadata:
             query_lens: ``[n]`` integer, tokens each row runs this step
                 (0 for a padding row).
             state_slots: ``[n]`` integer, the state slot of each row.
-            reads_slot: ``[n]`` bool on the host, or None (every row): rows whose
-                kernels read their slot even without initial state. Only these
-                rows can be ``fresh``; the others' kernels start from zero state
-                by themselves (vLLM's prefill paths).
+            zero_start_rows: ``(start, stop)``, rows ``start .. stop-1`` run
+                kernels that start a row without initial state from zero state
+                by themselves (vLLM's prefill path): never ``fresh``, their slots
+                are left as they are. None: every row may be fresh.
 
         Rows ``n .. max_rows-1`` become padding. Inputs may live on any device;
         the copies are asynchronous and never synchronize the host.
@@ -135,10 +135,10 @@ class StagedRowMetadata:
             query_lens=query_lens,
             state_slots=state_slots,
         )
-        if reads_slot is not None and (reads_slot.dtype != torch.bool or tuple(reads_slot.shape) != (n,)):
-            raise MetadataError(
-                f"reads_slot must be a bool tensor of shape ({n},), got {reads_slot.dtype} "
-                f"{tuple(reads_slot.shape)}")
+        if zero_start_rows is not None:
+            start, stop = zero_start_rows
+            if not 0 <= start <= stop <= n:
+                raise MetadataError(f"zero_start_rows {zero_start_rows} is not a run of the {n} staged rows")
         slots = state_slots.to(self.device, non_blocking=True)
         is_pad_slot = torch.zeros_like(slots, dtype=torch.bool)
         for sentinel in self.pad_slot_ids:
@@ -153,8 +153,8 @@ class StagedRowMetadata:
         torch.logical_and(self.valid, self.has_initial_state, out=self.reads_state)
         torch.logical_not(self.has_initial_state, out=self.fresh)
         self.fresh.logical_and_(self.valid)
-        if reads_slot is not None:
-            self.fresh[:n].logical_and_(reads_slot.to(self.device, non_blocking=True))
+        if zero_start_rows is not None and zero_start_rows[0] < zero_start_rows[1]:
+            self.fresh[zero_start_rows[0]:zero_start_rows[1]].fill_(False)
         self.state_slot[n:].fill_(self.pad_slot_ids[0])
         self.num_rows = n
 

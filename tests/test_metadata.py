@@ -120,28 +120,28 @@ def test_bad_inputs(bad, match):
         )
 
 
-def test_reads_slot_limits_fresh_to_rows_whose_kernels_read_the_slot():
+def test_zero_start_rows_are_never_fresh():
     # a fresh one-token row on a decode path (reads its slot: zero it), a fresh
     # prefill (its kernels start from zero state: leave it), a decode, padding
     kinds = ["fresh_one_token", "fresh_prefill", "decode", "pad_slot_minus_one"]
     rows = StagedRowMetadata(6, pad_slot_ids=(-1, 0))
     computed, qlens, slots = zip(*(ROW_KINDS[k][0] for k in kinds))
     rows.stage(num_computed_tokens=torch.tensor(computed), query_lens=torch.tensor(qlens),
-               state_slots=torch.tensor(slots), reads_slot=torch.tensor([True, False, True, True]))
+               state_slots=torch.tensor(slots), zero_start_rows=(1, 2))
     has_init, valid = expected(kinds, 6)
     assert torch.equal(rows.has_initial_state, has_init) and torch.equal(rows.valid, valid)
     assert rows.reads_state.tolist() == [False, False, True, False, False, False]
     assert rows.fresh_slots().tolist() == [6]
-    # without reads_slot every fresh row is zeroed (the conservative default)
+    # without zero_start_rows every fresh row is zeroed (the conservative default)
     rows.stage(num_computed_tokens=torch.tensor(computed), query_lens=torch.tensor(qlens),
                state_slots=torch.tensor(slots))
     assert rows.fresh_slots().tolist() == [6, 5]
 
 
-@pytest.mark.parametrize("bad", [torch.ones(3, dtype=torch.int64), torch.ones(2, dtype=torch.bool)])
-def test_reads_slot_of_the_wrong_kind_is_an_error(bad):
+@pytest.mark.parametrize("bad", [(2, 1), (-1, 2), (0, 4)])
+def test_zero_start_rows_outside_the_batch_is_an_error(bad):
     rows = StagedRowMetadata(4)
-    with pytest.raises(MetadataError, match="reads_slot must be a bool tensor of shape"):
+    with pytest.raises(MetadataError, match="is not a run of the 3 staged rows"):
         rows.stage(num_computed_tokens=torch.zeros(3, dtype=torch.int64),
                    query_lens=torch.ones(3, dtype=torch.int64),
-                   state_slots=torch.ones(3, dtype=torch.int64), reads_slot=bad)
+                   state_slots=torch.ones(3, dtype=torch.int64), zero_start_rows=bad)

@@ -204,8 +204,8 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
             spec = metadata.spec_sequence_masks[:num_reqs].cpu()
         parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
                  (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
-    lens, done, slots, reads = [], [], [], []
-    for k, (part_lens, part_done, part_slots) in enumerate(parts):
+    lens, done, slots = [], [], []
+    for part_lens, part_done, part_slots in parts:
         if part_slots is None:
             if int((part_lens > 0).sum()):
                 raise MetadataError(
@@ -221,17 +221,21 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
         lens.append(part_lens)
         done.append(part_done)
         slots.append(part_slots)
-        # part 0: non-speculative rows, decodes first; part 1: speculative rows, all read
-        reads.append(torch.arange(part_lens.numel()) < num_decodes if k == 0
-                     else torch.ones(part_lens.numel(), dtype=torch.bool))
     if not slots:
         empty = torch.zeros(0, dtype=torch.int64)
         rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
         return 0
-    query_lens, computed, reads_slot = torch.cat(lens), torch.cat(done), torch.cat(reads)
+    # Staged order: the non-speculative rows (the builder's decodes first, then its
+    # prefills), then the speculative rows. The prefills are the one run of rows
+    # whose kernels start a fresh row from zero state themselves.
+    non_spec_rows = lens[0].numel() if non_spec_slots is not None else 0
+    prefills = (min(num_decodes, non_spec_rows), non_spec_rows)
+    query_lens = lens[0] if len(lens) == 1 else torch.cat(lens)
+    computed = done[0] if len(done) == 1 else torch.cat(done)
     slots = slots[0] if len(slots) == 1 else torch.cat([s.to(slots[0].dtype) for s in slots])
-    rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots, reads_slot=reads_slot)
-    return int(((computed == 0) & (query_lens > 0) & reads_slot).sum())
+    rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots, zero_start_rows=prefills)
+    fresh = (computed == 0) & (query_lens > 0)
+    return int(fresh.sum()) - int(fresh[prefills[0]:prefills[1]].sum())
 
 
 def _warn_about_mode(vllm_config, configured: bool) -> None:
