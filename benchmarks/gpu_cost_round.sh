@@ -7,9 +7,14 @@
 #          stream alone): engine start takes about 215 s, so one call does one part.
 #   GPU 1: benchmarks/gated_read_overhead.py on the FLA layer at B=256, three runs
 #          (needs .whl/ carried with fla-core and einops wheels).
-# Everything lands in $OUT: engine_cost_<PART>.{json,md,log}, gated_read_overhead.tgz.
+#   GPU 1, then: GPU1_TESTS (optional), `scripts/test-gpu` arguments run there with
+#          vLLM's GPU tests limited to GDN_PASS_GPU_MODES=default; their engines start
+#          while engine_cost's start and warm up, never during its measured rounds
+#          (pass it to the "stream" part: engine start + warm-up outlast the tests).
+# Everything lands in $OUT: engine_cost_<PART>.{json,md,log}, gated_read_overhead.tgz,
+# gpu_tests.log and gpu_tests/ (GPU1_TESTS).
 #
-#   bash benchmarks/gpu_cost_round.sh PART [LAYERS] [TIME_BUDGET_S]
+#   [GPU1_TESTS="tests/gpu/..."] bash benchmarks/gpu_cost_round.sh PART [LAYERS] [TIME_BUDGET_S]
 set -u
 part=$1 layers=${2:-12} budget=${3:-440}
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site-project VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
@@ -23,6 +28,13 @@ if ls .whl/fla_core-*.whl > /dev/null 2>&1; then
         done > /tmp/gro.log 2>&1
     ) &
 fi
+if [ -n "${GPU1_TESTS:-}" ]; then
+    (
+        CUDA_VISIBLE_DEVICES=1 GDN_PASS_GPU_RESULTS=$OUT/gpu_tests GDN_PASS_GPU_MODES=default \
+            bash scripts/test-gpu -q -p no:logging $GPU1_TESTS > "$OUT/gpu_tests.log" 2>&1
+        echo "gpu tests exit $?" >> "$OUT/gpu_tests.log"
+    ) &
+fi
 case $part in
     steps) what=(--rounds 9 --stream-rounds 0) ;;
     stream) what=(--rounds 0 --stream-rounds 3) ;;
@@ -33,6 +45,7 @@ CUDA_VISIBLE_DEVICES=0 timeout $((budget + 120)) python3 benchmarks/engine_cost.
     --name "engine_cost_$part" > "$OUT/engine_cost_$part.log" 2>&1
 echo "engine_cost exit $?"
 wait
+tail -3 "$OUT/gpu_tests.log" 2>/dev/null
 grep -h "| fla | 256" /tmp/gro/run*/gated_read_overhead.md 2>/dev/null
 [ -d /tmp/gro ] && tar czf "$OUT/gated_read_overhead.tgz" -C /tmp gro gro.log
 cat "$OUT/engine_cost_$part.md" 2>/dev/null
