@@ -180,8 +180,29 @@ def step_inputs(build, builder, args: tuple, kwargs: dict) -> tuple[Any, torch.T
     or -1; the builder's ``spec_sequence_masks`` is their ``>= 0`` (0.26-0.31),
     here on the host without a device sync. None without speculation.
     """
-    bound = _signature(build).bind(builder, *args, **kwargs).arguments
-    return bound["common_attn_metadata"], bound.get("num_decode_draft_tokens_cpu")
+    common_at, drafts_at = _step_input_positions(build)
+    # Fast path (every step): vLLM passes these by keyword or by position;
+    # binding the whole signature costs ~15 us per build on the engine's host thread.
+    if "common_attn_metadata" in kwargs:
+        common = kwargs["common_attn_metadata"]
+    elif common_at < len(args):
+        common = args[common_at]
+    else:
+        bound = _signature(build).bind(builder, *args, **kwargs).arguments  # raises what is missing
+        return bound["common_attn_metadata"], bound.get("num_decode_draft_tokens_cpu")
+    if drafts_at is not None and drafts_at < len(args):
+        return common, args[drafts_at]
+    return common, kwargs.get("num_decode_draft_tokens_cpu")
+
+
+@functools.cache
+def _step_input_positions(build) -> tuple[int, int | None]:
+    """Positions (after ``self``) of ``common_attn_metadata`` and ``num_decode_draft_tokens_cpu``."""
+    names = list(_signature(build).parameters)[1:]
+    if "common_attn_metadata" not in names:
+        raise _unsupported(f"{builder_class().__name__}.build takes no common_attn_metadata")
+    drafts = names.index("num_decode_draft_tokens_cpu") if "num_decode_draft_tokens_cpu" in names else None
+    return names.index("common_attn_metadata"), drafts
 
 
 def engine_compiles(vllm_config) -> bool:
