@@ -3,8 +3,9 @@
 # bundle already unpacked: ../shared/gpu-vllm/README.md):
 #   GPU 0: benchmarks/engine_cost.py, Qwen3-Next-80B layer dimensions, LAYERS layers
 #          (both engines on the one GPU, measured in turn); PART is "steps" (the step
-#          cases, rounds while the time budget lasts) or "stream" (the serving-like
-#          stream alone): engine start takes about 215 s, so one call does one part.
+#          cases, rounds while the time budget lasts), "stream" (the serving-like
+#          stream alone) or "both" (one step round, one stream round, then step rounds while the budget lasts): engine
+#          start takes about 190-215 s, so one call does one part.
 #   GPU 1: benchmarks/gated_read_overhead.py on the FLA layer at B=256, three runs
 #          (needs .whl/ carried with fla-core and einops wheels).
 #   GPU 1, then: GPU1_TESTS (optional), `scripts/test-gpu` arguments run there with
@@ -38,7 +39,8 @@ fi
 case $part in
     steps) what=(--rounds 9 --stream-rounds 0) ;;
     stream) what=(--rounds 0 --stream-rounds 3) ;;
-    *) echo "PART is steps or stream" >&2; exit 2 ;;
+    both) what=(--rounds 9 --stream-rounds 1) ;;
+    *) echo "PART is steps, stream or both" >&2; exit 2 ;;
 esac
 CUDA_VISIBLE_DEVICES=0 timeout $((budget + 120)) python3 benchmarks/engine_cost.py --dims qwen3-next-80b \
     --layers "$layers" --gpu "${what[@]}" --time-budget "$budget" --workdir /tmp/ec --out "$OUT" \

@@ -168,7 +168,7 @@ class StagedRowMetadata:
         slots already on this device; False leaves the staging to PyTorch ops.
         """
         if (self.device.type != "cuda" or num_computed_tokens.is_cuda or query_lens.is_cuda
-                or state_slots.device != self.device or len(self.pad_slot_ids) > 2):
+                or state_slots.device != self.state_slot.device or len(self.pad_slot_ids) > 2):
             return False
         from gdn_pass import stage_kernel
 
