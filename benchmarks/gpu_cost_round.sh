@@ -9,9 +9,10 @@
 #   GPU 1: benchmarks/gated_read_overhead.py on the FLA layer at B=256, three runs
 #          (needs .whl/ carried with fla-core and einops wheels).
 #   GPU 1, then: GPU1_TESTS (optional), `scripts/test-gpu` arguments run there with
-#          vLLM's GPU tests limited to GDN_PASS_GPU_MODES=default; their engines start
-#          while engine_cost's start and warm up, never during its measured rounds
-#          (pass it to the "stream" part: engine start + warm-up outlast the tests).
+#          vLLM's GPU tests limited to GDN_PASS_GPU_MODES=default. They share the
+#          host with engine_cost, so the costs of a call that uses them are not
+#          valid (engine_cost_gpu_run3.md): use it only for a call whose timings
+#          do not count.
 # Everything lands in $OUT: engine_cost_<PART>.{json,md,log}, gated_read_overhead.tgz,
 # gpu_tests.log and gpu_tests/ (GPU1_TESTS).
 #
