@@ -161,6 +161,11 @@ class Engine:
         if configured != self.guarded:
             raise RuntimeError(f"the {spec['engine']} engine has GDNStatePass "
                                f"{'configured' if configured else 'not configured'}: its variants would be mislabelled")
+        if spec.get("weight_std"):
+            # Dummy weights leave the logits almost uniform: the poison check would see nothing.
+            redrawn = self.llm.collective_rpc("bench_init_weights", args=(spec["weight_std"], 0))
+            if not all(redrawn):
+                raise RuntimeError(f"no weight matrix redrawn in some worker: {redrawn}")
         self.serial = 0
         self.max_tokens = args["max_model_len"] - 64
 
@@ -326,6 +331,7 @@ def run(args, save=lambda result: None) -> dict:
                                {1, 2, 4, 8, 16, 32, 64, 128, 256} & set(range(1, max(args.batches) + 1))
                                | set(args.batches))})
     specs = {e: dict(engine=e, model=str(model), engine_args=engine_args,
+                     weight_std=_weight_std(args),
                      env=dict(VLLM_CACHE_ROOT=str(workdir / f"cache_{e}"),
                               TORCHINDUCTOR_CACHE_DIR=str(workdir / f"cache_{e}" / "inductor"),
                               # the GPU machine's rules (device KINDS.md) and what vLLM 0.26 needs there
@@ -352,6 +358,7 @@ def run(args, save=lambda result: None) -> dict:
     def result(rounds_done: int) -> dict:
         return dict(command="python benchmarks/engine_cost.py " + " ".join(sys.argv[1:]),
                     machine=platform.machine(), vllm=vllm.__version__, dims=args.dims, layers=args.layers,
+                    weight_std=_weight_std(args) or None,
                     engine_start_s=round(start_s, 1), rounds=rounds_done, steps=args.steps,
                     fresh_row_check=checks, check_valid=check_valid,
                     rows=_rows(times, hooks, hook_parts) if rounds_done else [],
@@ -401,6 +408,12 @@ def run(args, save=lambda result: None) -> dict:
     return result(rounds_done)
 
 
+def _weight_std(args) -> float:
+    if args.weight_std is not None:
+        return args.weight_std
+    return 0.02 if args.dims != "tiny" else 0.0
+
+
 def _rows(times: dict, hooks: dict, hook_parts: dict) -> list[dict]:
     median = statistics.median
     rows = []
@@ -437,7 +450,9 @@ def render(result: dict) -> str:
              "Fresh-row check (a new one-token request next to decoding ones; the same tokens and "
              "logprobs on zeroed and on poisoned caches means its slot was not read): "
              + ", ".join(f"{v} {'fresh' if c['fresh_state'] else 'READS THE SLOT'}"
-                         for v, c in result["fresh_row_check"].items()) + ".", "",
+                         for v, c in result["fresh_row_check"].items()) + "."
+             + (f" Weight matrices redrawn from N(0, {result['weight_std']}) after the dummy load, the same in "
+                "both engines." if result.get("weight_std") else ""), "",
              *([] if result.get("check_valid") else [
                  "**The check is not valid in this run** (it must catch the unguarded engine reading "
                  "the slot, and find gdn-pass and the alternative fresh): the timings below are not "
@@ -463,6 +478,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dims", choices=["qwen3-next-80b", "tiny"], default="tiny")
     ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--weight-std", type=float, default=None,
+                    help="redraw every weight matrix from N(0, std) after loading, the same in both engines, "
+                         "so that the poison check can see a stale read (default: 0.02 with --dims "
+                         "qwen3-next-80b, whose weights are dummy; none with --dims tiny; 0: none)")
     ap.add_argument("--gpu", action="store_true", help="CUDA vLLM 0.26 settings (memory, GDN prefill backend)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--rounds", type=int, default=5, help="rounds of the step cases (0: the stream alone)")

@@ -68,6 +68,30 @@ class BenchWorker:
         _switch.update(split=bool(split), runner=bool(runner))
         return bool(getattr(gdn_attn.split_decodes_and_prefills, "switchable", False))
 
+    def bench_init_weights(self, std: float, seed: int) -> int:
+        """Redraw every weight matrix of this worker's model from N(0, std); the count redrawn.
+
+        ``load_format="dummy"`` draws weights from U(-1e-3, 1e-3). With
+        Qwen3-Next-80B's dimensions the logits then come out almost uniform, and
+        a poisoned state slot does not move the fresh row's logprob (H200 runs 2
+        and 3: -11.4273 on zeroed and on poisoned caches alike). Matrices at
+        ``std`` (0.02, the usual initialisation scale) carry the state through.
+        The shapes stay the same, and so does the work per step. Vectors (norm
+        weights, biases, ``A_log``, ``dt_bias``) keep their dummy values.
+        """
+        import torch
+
+        generator = None
+        count = 0
+        for param in self.model_runner.model.parameters():
+            if param.dim() < 2 or not param.is_floating_point():
+                continue
+            if generator is None:
+                generator = torch.Generator(device=param.device).manual_seed(seed)
+            param.data.normal_(0.0, std, generator=generator)
+            count += 1
+        return count
+
     def bench_fill_caches(self, value: float) -> int:
         """Every KV / conv / recurrent cache of this worker set to ``value``; the count of tensors."""
         return fill_caches(self.vllm_config, value)
