@@ -8,6 +8,8 @@
 #   site_path      the bundle on the path, vLLM never imported
 #   vllm_imported  the same, `import vllm` first (pytest -p vllm): vLLM's env_override
 #   vllm_conftest  the same, tests/vllm collected too (its conftest turns caches off)
+# and, in a process of its own, tests/gpu/test_stage_rows_cuda.py (the fused staging,
+# which has so far only run after this failure in the same process).
 # Logs land in $OUT/replay_<name>.log.
 #
 #   bash benchmarks/gpu_replay_ab.sh
@@ -22,4 +24,5 @@ run() {
 }
 run plain 0 "$PWD" "${test[@]}" & run site_path 1 "$site" "${test[@]}" & wait
 run vllm_imported 0 "$site" -p vllm "${test[@]}" & run vllm_conftest 1 "$site" "${test[@]}" tests/vllm/test_compat.py & wait
+run stage_rows 0 "$PWD" tests/gpu/test_stage_rows_cuda.py
 grep -h "illegal memory\|not bitwise" "$OUT"/replay_*.log | sort | uniq -c | head
