@@ -100,7 +100,8 @@ def write_model(dims: str, layers: int, out: Path) -> Path:
 class HookClock:
     """Host time inside gdn-pass's metadata hook, by wrapping what its build wrapper calls.
 
-    ``seconds`` sums the functions the build wrapper calls. Parts of
+    ``seconds`` sums the functions the build wrapper calls (``stage_rows`` is
+    ``HostRows.stage``, called on steps with a fresh row). Parts of
     ``stage_rows`` are timed too, under names like ``stage_rows/stage``; they
     count only in ``by_function``, since ``stage_rows`` already holds them.
     """
@@ -112,11 +113,16 @@ class HookClock:
 
         self.seconds = 0.0
         self.by_function: dict[str, float] = {}
-        for module, name in ((metadata_hook, "stage_rows"), (metadata_hook, "_owner"),
-                             (metadata_hook, "_group_caches"), (metadata_hook, "_group_cache_table"),
-                             (step_guard, "zero_group"), (compat, "step_inputs")):
-            setattr(module, name, self._timed(getattr(module, name), name))
-        # Inside stage_rows: staging (of it, the host flags and the fused launch on CUDA).
+        for owner, name, label in ((metadata_hook, "host_rows", "host_rows"),
+                                   (metadata_hook.HostRows, "stage", "stage_rows"),
+                                   (StagedRowMetadata, "stage_no_fresh", "stage_no_fresh"),
+                                   (metadata_hook, "_owner", "_owner"),
+                                   (metadata_hook, "_group_state", "_group_state"),
+                                   (step_guard, "zero_group", "zero_group"),
+                                   (compat, "step_inputs", "step_inputs")):
+            setattr(owner, name, self._timed(getattr(owner, name), label))
+        # Inside stage_rows (steps with a fresh row): staging (of it, the host
+        # flags and the fused launch on CUDA).
         for owner, name in ((StagedRowMetadata, "stage"), (stage_kernel, "row_flags"),
                             (stage_kernel, "stage_rows_fused")):
             setattr(owner, name, self._timed(getattr(owner, name), f"stage_rows/{name}", nested=True))

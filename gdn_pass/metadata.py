@@ -105,6 +105,9 @@ class StagedRowMetadata:
         self.fresh = self._storage["fresh"][: self.max_rows]
         self.state_slot = self._storage["state_slot"][: self.max_rows]
         self.num_rows = 0
+        # Host-side knowledge that ``fresh`` is all False on the device (as
+        # allocated, or after ``stage_no_fresh``): lets ``stage_no_fresh`` skip its fill.
+        self._fresh_clear = True
 
     def stage(
         self,
@@ -139,6 +142,7 @@ class StagedRowMetadata:
             start, stop = zero_start_rows
             if not 0 <= start <= stop <= n:
                 raise MetadataError(f"zero_start_rows {zero_start_rows} is not a run of the {n} staged rows")
+        self._fresh_clear = False
         if self._fused_stage(num_computed_tokens, query_lens, state_slots, zero_start_rows, n):
             self.num_rows = n
             return
@@ -161,6 +165,23 @@ class StagedRowMetadata:
         self.state_slot[n:].fill_(self.pad_slot_ids[0])
         self.num_rows = n
 
+    def stage_no_fresh(self, num_rows: int) -> None:
+        """Stage a step the caller knows has no fresh row: ``fresh`` becomes all False, nothing else changes.
+
+        For consumers that read only the fresh rows (vLLM's guards read
+        ``fresh`` and, where it is set, ``state_slot``). ``has_initial_state``,
+        ``valid``, ``reads_state`` and ``state_slot`` keep the last ``stage``'s
+        values, so graph-visible gated reads need ``stage``. Costs one fill the
+        first time after a step with fresh rows and nothing (no launch, no copy)
+        after that: most steps of a serving engine have no fresh row.
+        """
+        if not 0 <= num_rows <= self.max_rows:
+            raise MetadataError(f"batch of {num_rows} rows does not fit the staged capacity of {self.max_rows}")
+        if not self._fresh_clear:
+            self._storage["fresh"].fill_(False)
+            self._fresh_clear = True
+        self.num_rows = num_rows
+
     def _fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n) -> bool:
         """CUDA: one flags copy and one launch (``gdn_pass.stage_kernel``) instead of ~20 launches.
 
@@ -173,8 +194,14 @@ class StagedRowMetadata:
         from gdn_pass import stage_kernel
 
         pads = self.pad_slot_ids
+        # From pinned memory: a non-blocking copy from pageable memory waits for
+        # the stream (the step before this one) to drain. The pinned block comes
+        # from PyTorch's caching host allocator, which reuses it only after the
+        # copy's recorded event has completed.
+        flags = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        flags.numpy()[:] = stage_kernel.row_flags(query_lens, num_computed_tokens).numpy()
         stage_kernel.stage_rows_fused(
-            flags=stage_kernel.row_flags(query_lens, num_computed_tokens).to(self.device, non_blocking=True),
+            flags=flags.to(self.device, non_blocking=True),
             slots=state_slots,
             zero_start_rows=zero_start_rows if zero_start_rows is not None else (0, 0),
             pad_slot_ids=(pads[0], pads[-1]),

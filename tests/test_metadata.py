@@ -145,3 +145,24 @@ def test_zero_start_rows_outside_the_batch_is_an_error(bad):
         rows.stage(num_computed_tokens=torch.zeros(3, dtype=torch.int64),
                    query_lens=torch.ones(3, dtype=torch.int64),
                    state_slots=torch.ones(3, dtype=torch.int64), zero_start_rows=bad)
+
+
+def test_stage_no_fresh_clears_fresh_rows_of_the_last_step_and_leaves_the_rest():
+    rows = StagedRowMetadata(4, pad_slot_ids=(-1, 0))
+    stage(rows, ["fresh_one_token", "decode"])
+    assert rows.fresh_slots().numel() == 1
+    slots_before = rows.state_slot.clone()
+    rows.stage_no_fresh(3)
+    # A stale fresh flag would zero a continuing request's state in the next replay.
+    assert not rows.graph_buffers()["fresh"].any()
+    assert rows.num_rows == 3
+    assert torch.equal(rows.state_slot, slots_before)  # documented: only fresh is staged
+    rows.stage_no_fresh(2)  # nothing left to clear
+    assert not rows.fresh.any() and rows.num_rows == 2
+    stage(rows, ["decode", "fresh_one_token"])  # a full stage after it stages every buffer
+    assert rows.fresh.tolist() == [False, True, False, False]
+
+
+def test_stage_no_fresh_beyond_capacity():
+    with pytest.raises(MetadataError, match="capacity of 2"):
+        StagedRowMetadata(2).stage_no_fresh(3)

@@ -34,6 +34,7 @@ import inspect
 import re
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -220,19 +221,22 @@ def engine_compiles(vllm_config) -> bool:
     return int(mode or 0) != 0
 
 
-def num_computed_tokens(common, query_lens: torch.Tensor) -> torch.Tensor:
-    """Tokens computed before this step, per row, without a device sync where possible."""
-    num_reqs = query_lens.numel()
+def num_computed_tokens(common, query_lens: np.ndarray) -> np.ndarray:
+    """Tokens computed before this step, per row, on the host, without a device sync where possible.
+
+    ``query_lens``: ``[num_reqs]`` numpy integers (from ``query_start_loc_cpu``).
+    """
+    num_reqs = query_lens.size
     for field in ("seq_lens_cpu_upper_bound", "seq_lens_cpu"):
         # Upper bounds are exact for prefill rows and only over-estimate
         # decode rows, which have state either way.
         seq_lens = getattr(common, field, None)
         if seq_lens is not None:
-            return seq_lens[:num_reqs] - query_lens
+            return seq_lens.numpy()[:num_reqs] - query_lens
     computed = getattr(common, "num_computed_tokens_cpu", None)
     if computed is not None:
-        return computed[:num_reqs]
-    return common.compute_num_computed_tokens()[:num_reqs]
+        return computed.numpy()[:num_reqs]
+    return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
 
 
 # --- GDN/KDA core ops -----------------------------------------------------------

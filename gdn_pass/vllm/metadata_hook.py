@@ -19,16 +19,18 @@ hook zeroes the fresh slots itself right after the build (``step_guard``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
+import numpy as np
 import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat, step_guard
-from gdn_pass.vllm.state_guard import CACHES_ATTR, ROWS_ATTR
+from gdn_pass.vllm.state_guard import CACHES_ATTR, HOST_FRESH_ATTR, ROWS_ATTR
 from gdn_pass.vllm.zero_rows import CacheTable
 
-__all__ = ["install", "is_installed", "stage_rows"]
+__all__ = ["HostRows", "host_rows", "install", "is_installed", "stage_rows"]
 
 from gdn_pass._logging import logger
 
@@ -71,16 +73,18 @@ def install() -> bool:
         rows = self.__dict__.get(_BUILDER_ROWS)
         if rows is None:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
-        host_fresh = stage_rows(rows, common, metadata, draft_counts)
+        step = host_rows(common, metadata, draft_counts)
+        if step.fresh:
+            step.stage(rows)
+        else:  # most steps: the guards read only fresh rows, and there are none
+            rows.stage_no_fresh(step.num_rows)
         step_owned = _owner(self, context) is step_guard.Owner.STEP
-        cuda = context.device.type == "cuda"
-        # The caches are needed by the one-launch table (CUDA) and by the step guard.
-        caches = _group_caches(context) if cuda or step_owned else []
-        table = _group_cache_table(self, caches) if cuda else None
+        caches, table = _group_state(self, context)
         setattr(metadata, ROWS_ATTR, rows)
         setattr(metadata, CACHES_ATTR, table)
+        setattr(metadata, HOST_FRESH_ATTR, step.fresh)
         if step_owned:
-            step_guard.zero_group(caches, table, rows, host_fresh)
+            step_guard.zero_group(caches, table, rows, step.fresh)
             setattr(metadata, step_guard.ZEROED_ATTR, True)
         return metadata
 
@@ -132,26 +136,24 @@ def _owner(builder, context: compat.BuilderContext) -> step_guard.Owner:
     return owner
 
 
-def _group_caches(context: compat.BuilderContext) -> list[torch.Tensor]:
-    """Every state tensor (conv, recurrent, ...) of every layer this builder serves."""
-    forward_context = context.vllm_config.compilation_config.static_forward_context
-    caches = []
-    for name in context.layer_names:
-        kv_cache = getattr(forward_context.get(name), "kv_cache", None) or ()
-        caches.extend(t for t in kv_cache if isinstance(t, torch.Tensor) and t.numel())
-    return caches
+def _group_state(builder, context: compat.BuilderContext) -> tuple[list[torch.Tensor], CacheTable | None]:
+    """Every state tensor (conv, recurrent, ...) of the group's layers, and (CUDA) their one-launch table.
 
-
-def _group_cache_table(builder, caches: list[torch.Tensor]) -> CacheTable | None:
-    """The group's CUDA state caches as one table, for one zeroing launch.
-
-    Built here, outside CUDA-graph capture, and kept while the caches stay
-    where they are (vLLM allocates them once; profiling runs have none yet).
+    Kept per builder while every layer keeps the same ``kv_cache`` object:
+    vLLM binds a new one when it allocates the caches (profiling runs have
+    empty ones) and never swaps tensors inside it. The table is built here,
+    outside CUDA-graph capture.
     """
-    table = builder.__dict__.get(_BUILDER_TABLE)
-    if table is None or table.key != CacheTable.key_of(caches):
-        table = builder.__dict__[_BUILDER_TABLE] = CacheTable.build(caches) if caches else None
-    return table
+    forward_context = context.vllm_config.compilation_config.static_forward_context
+    bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
+    kept = builder.__dict__.get(_BUILDER_TABLE)
+    if kept is not None and len(kept[0]) == len(bound) and all(a is b for a, b in zip(kept[0], bound)):
+        return kept[1], kept[2]
+    caches = [t for kv_cache in bound for t in (kv_cache or ())
+              if isinstance(t, torch.Tensor) and t.numel()]
+    table = CacheTable.build(caches) if caches and context.device.type == "cuda" else None
+    builder.__dict__[_BUILDER_TABLE] = (bound, caches, table)
+    return caches, table
 
 
 def _new_rows(builder, context: compat.BuilderContext) -> StagedRowMetadata:
@@ -162,6 +164,96 @@ def _new_rows(builder, context: compat.BuilderContext) -> StagedRowMetadata:
         cfg.compilation_config.max_cudagraph_capture_size or 0,
     )
     return StagedRowMetadata(max_rows, device=context.device, pad_slot_ids=compat.pad_slot_ids())
+
+
+@dataclasses.dataclass
+class HostRows:
+    """One step's rows in staged order, as the host knows them (no device read).
+
+    ``query_lens`` / ``computed``: ``[n]`` numpy integers; ``slot_parts``: the
+    builder's device slot tensors, concatenated in the same order;
+    ``zero_start_rows``: the builder's prefill run; ``fresh``: the rows to
+    zero, by the host's count (an upper bound of the staged ``fresh``: the host
+    does not see padding sentinels).
+    """
+
+    query_lens: np.ndarray
+    computed: np.ndarray
+    slot_parts: list[torch.Tensor]
+    zero_start_rows: tuple[int, int]
+    fresh: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.query_lens)
+
+    def stage(self, rows: StagedRowMetadata) -> None:
+        parts = self.slot_parts
+        slots = (parts[0] if len(parts) == 1 else
+                 torch.cat([s.to(parts[0].dtype) for s in parts]) if parts else torch.zeros(0, dtype=torch.int64))
+        rows.stage(num_computed_tokens=torch.from_numpy(self.computed), query_lens=torch.from_numpy(self.query_lens),
+                   state_slots=slots, zero_start_rows=self.zero_start_rows if parts else None)
+
+
+def host_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
+    """One step's rows from vLLM's common and GDN metadata (see ``stage_rows``), on the host."""
+    num_reqs = common.num_reqs
+    # numpy on views of vLLM's host tensors: a torch op on a few dozen CPU
+    # elements costs several microseconds of dispatch, numpy's about one.
+    starts = common.query_start_loc_cpu.numpy()
+    query_lens = starts[1 : num_reqs + 1] - starts[:num_reqs]
+    computed = compat.num_computed_tokens(common, query_lens)
+    non_spec_slots = metadata.non_spec_state_indices_tensor
+    spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
+    num_decodes = int(metadata.num_decodes)
+    if metadata.spec_sequence_masks is None and non_spec_slots is not None:
+        # Most steps: one part, the builder's decodes (the only rows to zero) first.
+        if query_lens.size != non_spec_slots.numel():
+            raise _slot_count_error(non_spec_slots.numel(), query_lens.size)
+        decodes = min(num_decodes, num_reqs)
+        fresh = np.count_nonzero((computed[:decodes] == 0) & (query_lens[:decodes] > 0))
+        return HostRows(query_lens, computed, [non_spec_slots], (decodes, num_reqs), int(fresh))
+    if metadata.spec_sequence_masks is None:
+        parts = [(query_lens, computed, non_spec_slots)]
+    else:
+        if draft_counts is not None:
+            spec = draft_counts[:num_reqs].cpu().numpy() >= 0
+        else:  # a device-to-host copy; vLLM 0.26-0.31 always pass the host counts
+            spec = metadata.spec_sequence_masks[:num_reqs].cpu().numpy()
+        parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
+                 (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
+    lens, done, slots = [], [], []
+    for part_lens, part_done, part_slots in parts:
+        if part_slots is None:
+            if np.count_nonzero(part_lens > 0):
+                raise MetadataError(
+                    f"GDN metadata has no state slots for {part_lens.size} scheduler rows "
+                    f"(vLLM {compat.vllm_version()}); this builder layout is not supported by gdn-pass")
+            continue
+        if part_lens.size != part_slots.numel():
+            raise _slot_count_error(part_slots.numel(), part_lens.size)
+        lens.append(part_lens)
+        done.append(part_done)
+        slots.append(part_slots)
+    if not slots:
+        empty = np.zeros(0, dtype=np.int64)
+        return HostRows(empty, empty, [], (0, 0), 0)
+    # Staged order: the non-speculative rows (the builder's decodes first, then its
+    # prefills), then the speculative rows. The prefills are the one run of rows
+    # whose kernels start a fresh row from zero state themselves.
+    non_spec_rows = lens[0].size if non_spec_slots is not None else 0
+    prefills = (min(num_decodes, non_spec_rows), non_spec_rows)
+    query_lens = lens[0] if len(lens) == 1 else np.concatenate(lens)
+    computed = done[0] if len(done) == 1 else np.concatenate(done)
+    fresh = (computed == 0) & (query_lens > 0)
+    count = int(np.count_nonzero(fresh)) - int(np.count_nonzero(fresh[prefills[0]:prefills[1]]))
+    return HostRows(query_lens, computed, slots, prefills, count)
+
+
+def _slot_count_error(slots: int, rows: int) -> MetadataError:
+    return MetadataError(
+        f"GDN metadata has {slots} state slots for {rows} scheduler rows "
+        f"(vLLM {compat.vllm_version()}); this builder layout is not supported by gdn-pass")
 
 
 def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Tensor | None = None) -> int:
@@ -186,56 +278,13 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
     the prefill path needs nothing: vLLM's prefill kernels start a row without
     initial state from zero state themselves (they zero or mask its slot).
 
-    Returns the number of fresh rows as the host sees them (an upper bound of
-    the staged ``fresh``: it does not know padding sentinels), without a sync.
+    Every buffer is staged. The metadata hook calls this only on steps with a
+    row to zero, and ``StagedRowMetadata.stage_no_fresh`` on the others.
+    Returns the number of fresh rows as the host sees them (``HostRows.fresh``).
     """
-    num_reqs = common.num_reqs
-    query_lens = common.query_start_loc_cpu[1 : num_reqs + 1] - common.query_start_loc_cpu[:num_reqs]
-    computed = compat.num_computed_tokens(common, query_lens)
-    non_spec_slots = metadata.non_spec_state_indices_tensor
-    spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
-    num_decodes = int(metadata.num_decodes)
-    if metadata.spec_sequence_masks is None:
-        parts = [(query_lens, computed, non_spec_slots)]
-    else:
-        if draft_counts is not None:
-            spec = draft_counts[:num_reqs].cpu() >= 0
-        else:  # a device-to-host copy; vLLM 0.26-0.31 always pass the host counts
-            spec = metadata.spec_sequence_masks[:num_reqs].cpu()
-        parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
-                 (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
-    lens, done, slots = [], [], []
-    for part_lens, part_done, part_slots in parts:
-        if part_slots is None:
-            if int((part_lens > 0).sum()):
-                raise MetadataError(
-                    f"GDN metadata has no state slots for {part_lens.numel()} scheduler rows "
-                    f"(vLLM {compat.vllm_version()}); this builder layout is not supported by gdn-pass")
-            continue
-        if part_lens.numel() != part_slots.numel():
-            raise MetadataError(
-                f"GDN metadata has {part_slots.numel()} state slots for {part_lens.numel()} "
-                f"scheduler rows (vLLM {compat.vllm_version()}); this builder layout is "
-                "not supported by gdn-pass"
-            )
-        lens.append(part_lens)
-        done.append(part_done)
-        slots.append(part_slots)
-    if not slots:
-        empty = torch.zeros(0, dtype=torch.int64)
-        rows.stage(num_computed_tokens=empty, query_lens=empty, state_slots=empty)
-        return 0
-    # Staged order: the non-speculative rows (the builder's decodes first, then its
-    # prefills), then the speculative rows. The prefills are the one run of rows
-    # whose kernels start a fresh row from zero state themselves.
-    non_spec_rows = lens[0].numel() if non_spec_slots is not None else 0
-    prefills = (min(num_decodes, non_spec_rows), non_spec_rows)
-    query_lens = lens[0] if len(lens) == 1 else torch.cat(lens)
-    computed = done[0] if len(done) == 1 else torch.cat(done)
-    slots = slots[0] if len(slots) == 1 else torch.cat([s.to(slots[0].dtype) for s in slots])
-    rows.stage(num_computed_tokens=computed, query_lens=query_lens, state_slots=slots, zero_start_rows=prefills)
-    fresh = (computed == 0) & (query_lens > 0)
-    return int(fresh.sum()) - int(fresh[prefills[0]:prefills[1]].sum())
+    step = host_rows(common, metadata, draft_counts)
+    step.stage(rows)
+    return step.fresh
 
 
 def _warn_about_mode(vllm_config, configured: bool) -> None:

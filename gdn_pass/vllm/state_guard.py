@@ -8,7 +8,8 @@ forward context, exactly as the original op finds its caches.
     for cache in layer.kv_cache:          # conv state, recurrent state, ...
         cache[rows.state_slot[fresh]] = 0     # on CUDA: sync-free Triton, capturable
 
-On CUDA the first guarded layer of a step zeroes the fresh slots of every GDN
+A step whose metadata says no row is fresh (the host's count) launches
+nothing, except inside CUDA-graph capture. On CUDA the first guarded layer of a step zeroes the fresh slots of every GDN
 layer that shares its metadata, in one launch; the others skip. Where the
 metadata hook's step guard owns the group (``step_guard``), the slots were
 zeroed at build time and the twin does nothing.
@@ -22,7 +23,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.step_guard import ZEROED_ATTR, note_twin_layer
 from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all
 
-__all__ = ["ROWS_ATTR", "CACHES_ATTR", "GuardError", "zero_fresh_state"]
+__all__ = ["ROWS_ATTR", "CACHES_ATTR", "HOST_FRESH_ATTR", "GuardError", "zero_fresh_state"]
 
 # Attribute under which the metadata hook attaches the staged rows to the
 # layer's GDNAttentionMetadata for the step.
@@ -30,6 +31,10 @@ ROWS_ATTR = "gdn_pass_rows"
 # Attribute holding the CacheTable of every GDN layer that shares the metadata
 # (CUDA only), so that the first guarded op of a step zeroes them all at once.
 CACHES_ATTR = "gdn_pass_caches"
+# The host's count of the step's fresh rows (an upper bound of the staged
+# ``fresh``): with none, an eager twin launches nothing. Inside CUDA-graph
+# capture it launches anyway, so the replayed graph zeroes later steps' rows.
+HOST_FRESH_ATTR = "gdn_pass_host_fresh"
 _DONE_ATTR = "_gdn_pass_zeroed"
 
 
@@ -65,6 +70,8 @@ def zero_fresh_state(layer_name: str) -> None:
         )
     if getattr(metadata, ZEROED_ATTR, False):  # the step guard owns this group
         return
+    if getattr(metadata, HOST_FRESH_ATTR, None) == 0 and not _capturing():
+        return
     fresh = rows.fresh_rows()
     table: CacheTable | None = getattr(metadata, CACHES_ATTR, None)
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
@@ -76,3 +83,7 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     for cache in layer.kv_cache:
         zero_rows(cache, rows.state_slot, fresh)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()

@@ -260,3 +260,67 @@ def test_pass_by_qualified_name_is_vllms_resolved_object():
     # vLLM resolved the name itself, as __import__(module).__dict__[name]
     assert cc.inductor_compile_config["post_grad_custom_post_pass"] is serve.GDN_STATE_PASS
     assert configured_pass(cc) is serve.GDN_STATE_PASS
+
+
+# --- steps in sequence: what the hook keeps between builds ------------------------
+
+
+def bind_poisoned_caches(config, num_blocks=8):
+    """Give every layer fresh caches (as vLLM's bind_kv_cache does), slot s filled with s + 1."""
+    caches = []
+    for name in LAYERS:
+        conv = torch.arange(1, num_blocks + 1, dtype=torch.float32).view(-1, 1, 1).expand(-1, 3, 8)
+        ssm = torch.arange(1, num_blocks + 1, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 2, 4, 4)
+        config.compilation_config.static_forward_context[name] = SimpleNamespace(
+            kv_cache=[conv.contiguous(), ssm.contiguous()])
+        caches += config.compilation_config.static_forward_context[name].kv_cache
+    return caches
+
+
+def step_of(computed, qlens, blocks):
+    import dataclasses
+
+    return dataclasses.replace(common_metadata(computed, qlens),
+                               block_table_tensor=torch.tensor([[b] for b in blocks], dtype=torch.int32))
+
+
+def zeroed(caches):
+    return [sorted(s for s in range(cache.shape[0]) if not cache[s].any()) for cache in caches]
+
+
+def test_fresh_flags_of_one_step_never_reach_the_next(monkeypatch):
+    """A CUDA graph replays whatever ``fresh`` holds: after a step with a fresh row,
+    a step without one must leave no flag set, or the replay would zero the state
+    the (now restored) request just wrote."""
+    from gdn_pass.vllm import step_guard
+    from gdn_pass.vllm.state_guard import HOST_FRESH_ATTR
+
+    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())  # the step guard zeroes, visibly
+    config = vllm_config(configured=True)
+    caches = bind_poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    metadata = builder.build(0, bug_step())
+    rows = getattr(metadata, ROWS_ATTR)
+    assert (rows.fresh_slots().tolist(), getattr(metadata, HOST_FRESH_ATTR)) == ([4], 1)
+    assert zeroed(caches) == [[4]] * 4
+    caches = bind_poisoned_caches(config)  # refill: the next step must zero nothing
+    metadata = builder.build(0, step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))  # the same requests, continuing
+    assert getattr(metadata, ROWS_ATTR) is rows and getattr(metadata, HOST_FRESH_ATTR) == 0
+    assert not rows.graph_buffers()["fresh"].any()
+    assert zeroed(caches) == [[]] * 4
+
+
+def test_rebound_caches_are_the_ones_zeroed(monkeypatch):
+    """The hook keeps the group's caches between builds; when vLLM binds new ones
+    (after profiling, on re-allocation) the fresh slot is zeroed in the new ones."""
+    from gdn_pass.vllm import step_guard
+
+    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    config = vllm_config(configured=True)
+    old = bind_poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    builder.build(0, step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))  # nothing fresh
+    new = bind_poisoned_caches(config)
+    builder.build(0, bug_step())
+    assert zeroed(new) == [[4]] * 4
+    assert zeroed(old) == [[]] * 4

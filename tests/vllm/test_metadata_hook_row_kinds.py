@@ -59,7 +59,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from gdn_pass.vllm import step_guard
+from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm import compat, metadata_hook, step_guard
 from gdn_pass.vllm.state_guard import ROWS_ATTR
 from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder
 
@@ -134,7 +135,9 @@ def poisoned_caches(config) -> list[torch.Tensor]:
 
 
 def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool, monkeypatch):
-    """Build one step; return vLLM's metadata, the staged rows and the caches after the build."""
+    """Build one step; return vLLM's metadata, the hook's staged rows, every row of the
+    step staged in full by ``stage_rows`` (the hook stages in full only steps with a
+    row to zero), and the caches after the build."""
     config = engine_config(cache_mode, num_spec)
     caches = poisoned_caches(config)
     # No guarded twin has run in this process: the step guard owns the group and
@@ -154,7 +157,10 @@ def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool
         kwargs = dict(num_accepted_tokens=torch.tensor([r.accepted for r in reqs], dtype=torch.int32),
                       num_decode_draft_tokens_cpu=torch.tensor([r.drafts for r in reqs], dtype=torch.int32))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=common, **kwargs)  # 0.26's call
-    return metadata, getattr(metadata, ROWS_ATTR), caches
+    rows = getattr(metadata, ROWS_ATTR)
+    full = StagedRowMetadata(rows.max_rows, pad_slot_ids=compat.pad_slot_ids())
+    metadata_hook.stage_rows(full, common, metadata, kwargs.get("num_decode_draft_tokens_cpu"))
+    return metadata, rows, full, caches
 
 
 def staged_by_slot(rows) -> dict[int, tuple[bool, bool]]:
@@ -343,16 +349,21 @@ def reads_slot_regardless(reqs, metadata) -> list[bool]:
     return out
 
 
-def check_step(reqs, cache_mode, metadata, rows, caches):
+def check_step(reqs, cache_mode, metadata, rows, full, caches):
     # The case table itself follows vLLM's read rule (catches a typo in a slot).
     assert [r.reads for r in reqs] == [kernel_read_slot(r, cache_mode) for r in reqs]
-    assert rows.num_rows == len(reqs)
+    assert rows.num_rows == full.num_rows == len(reqs)
     # Each request is staged once, naming the slot vLLM reads, as a real row,
     # restored exactly when tokens were computed before this step.
-    assert staged_by_slot(rows) == {r.reads: (r.restored, True) for r in reqs}
+    assert staged_by_slot(full) == {r.reads: (r.restored, True) for r in reqs}
     read_anyway = reads_slot_regardless(reqs, metadata)
     fresh = {r.reads for r, reads in zip(reqs, read_anyway) if not r.restored and reads}
-    assert set(rows.fresh_slots().tolist()) == fresh
+    assert set(full.fresh_slots().tolist()) == fresh
+    if fresh:  # the hook stages the step in full
+        assert staged_by_slot(rows) == staged_by_slot(full)
+        assert set(rows.fresh_slots().tolist()) == fresh
+    else:  # no row to zero: the hook stages only that (what its guards read)
+        assert not rows.fresh.any()
     # The step guard zeroed exactly the slots of the fresh rows whose kernels
     # read them, in every cache: a restored row's state (a prefix hit's copied
     # state included) and a fresh prefill's recycled slot are untouched.
@@ -362,34 +373,34 @@ def check_step(reqs, cache_mode, metadata, rows, caches):
 @pytest.mark.parametrize("like_0_26", [True, False])
 @pytest.mark.parametrize("cache_mode, reqs, every_row_one_token", NONE_MODE + ALIGN_MODE)
 def test_non_speculative_row_kinds(monkeypatch, like_0_26, cache_mode, reqs, every_row_one_token):
-    metadata, rows, caches = run_step(reqs, cache_mode=cache_mode, num_spec=0, like_0_26=like_0_26,
+    metadata, rows, full, caches = run_step(reqs, cache_mode=cache_mode, num_spec=0, like_0_26=like_0_26,
                                       monkeypatch=monkeypatch)
     if every_row_one_token:
         # vLLM's own classification gives no per-row freshness here: every row is
         # a decode and has_initial_state is None (gdn_attn.py build).
         assert (metadata.num_decodes, metadata.num_prefills) == (len(reqs), 0)
         assert metadata.has_initial_state is None
-    check_step(reqs, cache_mode, metadata, rows, caches)
+    check_step(reqs, cache_mode, metadata, rows, full, caches)
 
 
 @pytest.mark.parametrize("like_0_26", [True, False])
 @pytest.mark.parametrize("reqs", SPEC_NONE_MODE)
 def test_speculative_row_kinds(monkeypatch, like_0_26, reqs):
-    metadata, rows, caches = run_step(reqs, cache_mode="none", num_spec=SPEC, like_0_26=like_0_26,
+    metadata, rows, full, caches = run_step(reqs, cache_mode="none", num_spec=SPEC, like_0_26=like_0_26,
                                       monkeypatch=monkeypatch)
     assert metadata.num_spec_decodes == sum(r.drafts >= 0 for r in reqs)
-    check_step(reqs, "none", metadata, rows, caches)
+    check_step(reqs, "none", metadata, rows, full, caches)
 
 
 @pytest.mark.parametrize("like_0_26", [True, False])
 @pytest.mark.parametrize("reqs", SPEC_ALIGN_MODE)
 def test_speculative_row_kinds_in_align_mode(monkeypatch, like_0_26, reqs):
-    metadata, rows, caches = run_step(reqs, cache_mode="align", num_spec=SPEC, like_0_26=like_0_26,
+    metadata, rows, full, caches = run_step(reqs, cache_mode="align", num_spec=SPEC, like_0_26=like_0_26,
                                       monkeypatch=monkeypatch)
     assert metadata.num_spec_decodes == len(reqs)
     # The builder's own slots are the gathered ones, not column 0 (a null block).
     assert metadata.spec_state_indices_tensor[:, 0].tolist() == [r.reads for r in reqs]
-    check_step(reqs, "align", metadata, rows, caches)
+    check_step(reqs, "align", metadata, rows, full, caches)
 
 
 @pytest.mark.parametrize("accepted", [1, 2, 3])
@@ -399,7 +410,7 @@ def test_continuing_speculative_row_is_never_zeroed_whatever_it_accepted(monkeyp
     zeroed, while the fresh padded request next to it (num_accepted_tokens 1,
     gpu_input_batch.py add_request) has its column 0 zeroed."""
     spec_decode = dataclasses.replace(SPEC_DECODE, accepted=accepted, reads=SPEC_DECODE.blocks[accepted - 1])
-    _, rows, caches = run_step([spec_decode, SPEC_NEW_PADDED], cache_mode="none", num_spec=SPEC,
+    _, rows, _, caches = run_step([spec_decode, SPEC_NEW_PADDED], cache_mode="none", num_spec=SPEC,
                                like_0_26=False, monkeypatch=monkeypatch)
     assert rows.has_initial_state[:2].tolist().count(False) == 1
     assert rows.fresh_slots().tolist() == [SPEC_NEW_PADDED.reads]

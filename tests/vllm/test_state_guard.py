@@ -85,3 +85,20 @@ def test_first_guarded_layer_of_a_step_zeroes_the_whole_group_once(monkeypatch):
     zero_fresh_state(layers[2].prefix)
     assert len(calls) == 1
     assert layers[2].kv_cache[1][5].eq(0).all() and layers[0].kv_cache[1][5].eq(6.0).all()
+
+
+@pytest.mark.parametrize("capturing", [False, True])
+def test_step_the_host_knows_has_no_fresh_row_launches_nothing_outside_capture(monkeypatch, capturing):
+    """The metadata hook attaches its host count of fresh rows. With none, an eager
+    twin leaves the caches alone (here even with a fresh flag left set, to see it);
+    inside CUDA-graph capture it still zeroes, so the replayed graph covers later steps."""
+    from gdn_pass.vllm import state_guard
+
+    layer = poisoned_layer()
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
+    rows.stage(num_computed_tokens=torch.tensor([0]), query_lens=torch.tensor([1]),
+               state_slots=torch.tensor([5]))
+    install_context(monkeypatch, layer, SimpleNamespace(**{ROWS_ATTR: rows, state_guard.HOST_FRESH_ATTR: 0}))
+    monkeypatch.setattr(state_guard, "_capturing", lambda: capturing)
+    zero_fresh_state(layer.prefix)
+    assert layer.kv_cache[1][5].eq(0.0 if capturing else 6.0).all()

@@ -1,0 +1,185 @@
+"""Host time gdn-pass's metadata hook adds to one build of vLLM's GDN metadata builder.
+
+A real ``GDNAttentionMetadataBuilder`` (this process's vLLM), configured with
+GDNStatePass, on CUDA where there is one. Each case builds the same step with
+the hook (``builder.build``) and without it (``builder.build.__wrapped__``,
+vLLM's own build), interleaved, and reports the difference per build:
+
+    rows B, fresh k      the step: B one-token rows in vLLM's decode order,
+                         k of them brand new (fresh decode rows, to zero)
+    vllm_us              vLLM's build alone, median per build
+    hook_us              the hook's host time per build (with - without)
+    busy_us              (CUDA, fresh steps) one build with the hook enqueued
+                         behind a 2 ms GPU sleep: near hook_us + vllm_us when
+                         the hook never waits for the stream, near 2000 when
+                         it does
+
+Variants, in the same run: ``pinned`` (the staged flags copied from pinned
+memory, as shipped) and, on CUDA, ``pageable`` (the copy from pageable memory
+that staging made before), to show which one waits for the stream.
+
+    python benchmarks/hook_host_time.py [--batches 1 8 64 256] [--repeat 400] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+LAYERS = ["model.layers.0.linear_attn", "model.layers.1.linear_attn", "model.layers.2.linear_attn"]
+
+
+def make_builder(device: torch.device, num_blocks: int):
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from gdn_pass.vllm import GDNStatePass, metadata_hook, step_guard
+
+    try:  # the prefill-backend probe reads a model config on CUDA; there is no model here
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+        qwen_gdn_linear_attn._resolve_gdn_prefill_backend = lambda cfg: ("triton", "triton")
+    except ImportError:
+        pass
+    metadata_hook.install()
+    config = VllmConfig(
+        compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()}),
+        additional_config={"gdn_prefill_backend": "triton"})
+    config.scheduler_config.max_num_seqs = max(config.scheduler_config.max_num_seqs, num_blocks)
+    context = config.compilation_config.static_forward_context
+    for name in LAYERS:  # Qwen3-Next's per-layer state shapes, small slot count
+        context[name] = SimpleNamespace(kv_cache=[
+            torch.zeros(num_blocks, 3, 8192, dtype=torch.bfloat16, device=device),
+            torch.zeros(num_blocks, 32, 128, 128, dtype=torch.float32, device=device)])
+    # Every layer has a guarded twin (the compiled engine's case): the graph guard owns the group.
+    for name in LAYERS:
+        step_guard.note_twin_layer(name)
+    spec = MambaSpec(block_size=16, shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(config):
+        builder = GDNAttentionMetadataBuilder(spec, LAYERS, config, device)
+    return builder
+
+
+def common_step(batch: int, fresh: int, device: torch.device):
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    computed = [0] * fresh + [17] * (batch - fresh)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    seq_lens = torch.tensor(computed, dtype=torch.int32) + 1
+    return CommonAttentionMetadata(
+        query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq_lens.to(device),
+        num_reqs=batch, num_actual_tokens=batch, max_query_len=1, max_seq_len=int(seq_lens.max()),
+        block_table_tensor=torch.arange(1, batch + 1, dtype=torch.int32, device=device).view(-1, 1),
+        slot_mapping=torch.zeros(batch, dtype=torch.int64, device=device),
+        seq_lens_cpu_upper_bound=seq_lens.clone())
+
+
+def pageable_fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n):
+    """Before this change: the flags copied from pageable memory."""
+    from gdn_pass import stage_kernel
+
+    if self.device.type != "cuda" or state_slots.device != self.state_slot.device:
+        return False
+    pads = self.pad_slot_ids
+    stage_kernel.stage_rows_fused(
+        flags=stage_kernel.row_flags(query_lens, num_computed_tokens).to(self.device, non_blocking=True),
+        slots=state_slots, zero_start_rows=zero_start_rows or (0, 0), pad_slot_ids=(pads[0], pads[-1]),
+        has_initial_state=self.has_initial_state, valid=self.valid, reads_state=self.reads_state,
+        fresh=self.fresh, state_slot=self.state_slot)
+    return True
+
+
+def time_builds(builder, step, repeat: int, sync) -> tuple[float, float]:
+    """Median us per build: (with the hook, vLLM's build alone), interleaved in blocks of 20."""
+    hooked, plain = [], []
+    original = builder.build.__wrapped__
+    for _ in range(repeat // 20):
+        for fn, out in ((lambda: builder.build(0, step), hooked), (lambda: original(builder, 0, step), plain)):
+            start = time.perf_counter()
+            for _ in range(20):
+                fn()
+            out.append((time.perf_counter() - start) / 20 * 1e6)
+        sync()
+    return statistics.median(hooked), statistics.median(plain)
+
+
+def busy_build_us(builder, step) -> float:
+    """Host time of one hooked build enqueued behind 2 ms of GPU work."""
+    torch.cuda.synchronize()
+    cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 2e-3)  # kHz -> cycles in 2 ms
+    times = []
+    for _ in range(5):
+        torch.cuda._sleep(cycles)
+        start = time.perf_counter()
+        builder.build(0, step)
+        times.append((time.perf_counter() - start) * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+def main():
+    from gdn_pass.metadata import StagedRowMetadata
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--repeat", type=int, default=400)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    builder = make_builder(device, num_blocks=max(args.batches) + 2)
+    shipped = StagedRowMetadata._fused_stage
+    variants = [("pinned", shipped)] + ([("pageable", pageable_fused_stage)] if cuda else [])
+    rows = []
+    for batch in args.batches:
+        for fresh in sorted({0, 1, batch // 2}):
+            if fresh > batch:
+                continue
+            step = common_step(batch, fresh, device)
+            for name, fused in variants:
+                if fresh == 0 and name != "pinned":
+                    continue  # no staging at all on these steps: nothing differs
+                StagedRowMetadata._fused_stage = fused
+                for _ in range(50):  # warm-up: Triton compile, caches, allocator
+                    builder.build(0, step)
+                sync()
+                with_hook, alone = time_builds(builder, step, args.repeat, sync)
+                row = dict(batch=batch, fresh=fresh, variant=name, vllm_us=round(alone, 1),
+                           hook_us=round(with_hook - alone, 1))
+                if cuda and fresh:
+                    row["busy_us"] = round(busy_build_us(builder, step), 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    StagedRowMetadata._fused_stage = shipped
+    import vllm
+
+    result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]),
+                  device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
+                  torch=torch.__version__, rows=rows)
+    table = ["| B | fresh | variant | vLLM build us | hook us per build | one build behind 2 ms of GPU work, us |",
+             "|---|---|---|---|---|---|"]
+    table += [f"| {r['batch']} | {r['fresh']} | {r['variant']} | {r['vllm_us']} | {r['hook_us']} | "
+              f"{r.get('busy_us', '')} |" for r in rows]
+    print("\n".join(table))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "hook_host_time.json").write_text(json.dumps(result, indent=1))
+        (args.out / "hook_host_time.md").write_text("\n".join(table) + "\n")
+
+
+if __name__ == "__main__":
+    main()
