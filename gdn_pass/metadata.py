@@ -194,12 +194,10 @@ class StagedRowMetadata:
         from gdn_pass import stage_kernel
 
         pads = self.pad_slot_ids
-        # From pinned memory: a non-blocking copy from pageable memory waits for
-        # the stream (the step before this one) to drain. The pinned block comes
-        # from PyTorch's caching host allocator, which reuses it only after the
-        # copy's recorded event has completed.
-        flags = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-        flags.numpy()[:] = stage_kernel.row_flags(query_lens, num_computed_tokens).numpy()
+        # From pageable memory: on the H200 a build enqueued behind 2 ms of GPU
+        # work returns in ~0.1 ms either way, and a pinned block costs ~12 us more
+        # per build (benchmarks/results/hook_host_time_gpu.md).
+        flags = stage_kernel.row_flags(query_lens, num_computed_tokens)
         stage_kernel.stage_rows_fused(
             flags=flags.to(self.device, non_blocking=True),
             slots=state_slots,

@@ -19,7 +19,7 @@ program writes all five buffers:
 Shapes: ``flags [n]`` uint8 and ``slots [n]`` integer (any stride), both on
 the device; outputs ``[max_rows]`` (bool, bool, bool, bool, int64), rows
 ``n .. max_rows-1`` padding. No host sync: the flags
-copy is asynchronous (from pinned memory, see ``StagedRowMetadata._fused_stage``)
+copy does not wait for the stream (measured: ``StagedRowMetadata._fused_stage``)
 and nothing is read back.
 """
 
