@@ -100,34 +100,26 @@ def write_model(dims: str, layers: int, out: Path) -> Path:
 class HookClock:
     """Host time inside gdn-pass's metadata hook, by wrapping what its build wrapper calls.
 
-    ``seconds`` sums the functions the build wrapper calls (``stage_rows`` is
-    ``HostRows.stage``, called on steps with a fresh row). Parts of
-    ``stage_rows`` are timed too, under names like ``stage_rows/stage``; they
-    count only in ``by_function``, since ``stage_rows`` already holds them.
+    ``seconds`` sums the functions the build wrapper calls (``stage_fresh`` on
+    steps with a row to zero, ``stage_no_fresh`` on the others).
     """
 
     def __init__(self):
-        from gdn_pass import stage_kernel
         from gdn_pass.metadata import StagedRowMetadata
         from gdn_pass.vllm import compat, metadata_hook, step_guard
 
         self.seconds = 0.0
         self.by_function: dict[str, float] = {}
         for owner, name, label in ((metadata_hook, "host_rows", "host_rows"),
-                                   (metadata_hook.HostRows, "stage", "stage_rows"),
+                                   (metadata_hook.HostRows, "stage_fresh", "stage_fresh"),
                                    (StagedRowMetadata, "stage_no_fresh", "stage_no_fresh"),
                                    (metadata_hook, "_owner", "_owner"),
                                    (metadata_hook, "_group_state", "_group_state"),
                                    (step_guard, "zero_group", "zero_group"),
                                    (compat, "step_inputs", "step_inputs")):
             setattr(owner, name, self._timed(getattr(owner, name), label))
-        # Inside stage_rows (steps with a fresh row): staging (of it, the host
-        # flags and the fused launch on CUDA).
-        for owner, name in ((StagedRowMetadata, "stage"), (stage_kernel, "row_flags"),
-                            (stage_kernel, "stage_rows_fused")):
-            setattr(owner, name, self._timed(getattr(owner, name), f"stage_rows/{name}", nested=True))
 
-    def _timed(self, fn, name: str, nested: bool = False):
+    def _timed(self, fn, name: str):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
             start = time.perf_counter()
@@ -135,8 +127,7 @@ class HookClock:
                 return fn(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - start
-                if not nested:
-                    self.seconds += spent
+                self.seconds += spent
                 self.by_function[name] = self.by_function.get(name, 0.0) + spent
 
         return timed

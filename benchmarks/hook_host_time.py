@@ -14,9 +14,8 @@ vLLM's own build), interleaved, and reports the difference per build:
                          the hook never waits for the stream, near 2000 when
                          it does
 
-Variants, in the same run: ``pageable`` (the staged flags copied from pageable
-memory, as shipped) and, on CUDA, ``pinned`` (from a pinned block of PyTorch's
-caching host allocator), to show whether either waits for the stream.
+On a step with a row to zero the hook copies one host array of flags and the
+rows' slots (``StagedRowMetadata.stage_fresh``); with none it copies nothing.
 
     python benchmarks/hook_host_time.py [--batches 1 8 64 256] [--repeat 400] [--out DIR]
 """
@@ -24,7 +23,6 @@ caching host allocator), to show whether either waits for the stream.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -87,23 +85,6 @@ def common_step(batch: int, fresh: int, device: torch.device):
         seq_lens_cpu_upper_bound=seq_lens.clone())
 
 
-def pinned_fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n):
-    """The alternative: the flags copied from a pinned block of PyTorch's caching host allocator."""
-    from gdn_pass import stage_kernel
-
-    if self.device.type != "cuda" or state_slots.device != self.state_slot.device:
-        return False
-    flags = torch.empty(n, dtype=torch.uint8, pin_memory=True)
-    flags.numpy()[:] = stage_kernel.row_flags(query_lens, num_computed_tokens).numpy()
-    pads = self.pad_slot_ids
-    stage_kernel.stage_rows_fused(
-        flags=flags.to(self.device, non_blocking=True),
-        slots=state_slots, zero_start_rows=zero_start_rows or (0, 0), pad_slot_ids=(pads[0], pads[-1]),
-        has_initial_state=self.has_initial_state, valid=self.valid, reads_state=self.reads_state,
-        fresh=self.fresh, state_slot=self.state_slot)
-    return True
-
-
 def time_builds(builder, step, repeat: int, sync) -> tuple[float, float]:
     """Median us per build: (with the hook, vLLM's build alone), interleaved in blocks of 20."""
     hooked, plain = [], []
@@ -133,8 +114,6 @@ def busy_build_us(builder, step) -> float:
 
 
 def main():
-    from gdn_pass.metadata import StagedRowMetadata
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeat", type=int, default=400)
@@ -144,37 +123,29 @@ def main():
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     builder = make_builder(device, num_blocks=max(args.batches) + 2)
-    shipped = StagedRowMetadata._fused_stage
-    variants = [("pageable", shipped)] + ([("pinned", pinned_fused_stage)] if cuda else [])
     rows = []
     for batch in args.batches:
         for fresh in sorted({0, 1, batch // 2}):
             if fresh > batch:
                 continue
             step = common_step(batch, fresh, device)
-            for name, fused in variants:
-                if fresh == 0 and name != "pageable":
-                    continue  # no staging at all on these steps: nothing differs
-                StagedRowMetadata._fused_stage = fused
-                for _ in range(50):  # warm-up: Triton compile, caches, allocator
-                    builder.build(0, step)
-                sync()
-                with_hook, alone = time_builds(builder, step, args.repeat, sync)
-                row = dict(batch=batch, fresh=fresh, variant=name, vllm_us=round(alone, 1),
-                           hook_us=round(with_hook - alone, 1))
-                if cuda and fresh:
-                    row["busy_us"] = round(busy_build_us(builder, step), 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    StagedRowMetadata._fused_stage = shipped
+            for _ in range(50):  # warm-up: caches, allocator
+                builder.build(0, step)
+            sync()
+            with_hook, alone = time_builds(builder, step, args.repeat, sync)
+            row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
+            if cuda and fresh:
+                row["busy_us"] = round(busy_build_us(builder, step), 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     import vllm
 
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]),
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows)
-    table = ["| B | fresh | variant | vLLM build us | hook us per build | one build behind 2 ms of GPU work, us |",
-             "|---|---|---|---|---|---|"]
-    table += [f"| {r['batch']} | {r['fresh']} | {r['variant']} | {r['vllm_us']} | {r['hook_us']} | "
+    table = ["| B | fresh | vLLM build us | hook us per build | one build behind 2 ms of GPU work, us |",
+             "|---|---|---|---|---|"]
+    table += [f"| {r['batch']} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
               f"{r.get('busy_us', '')} |" for r in rows]
     print("\n".join(table))
     if args.out:

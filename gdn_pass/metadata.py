@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 __all__ = ["StagedRowMetadata", "MetadataError"]
@@ -181,6 +182,31 @@ class StagedRowMetadata:
             self._storage["fresh"].fill_(False)
             self._fresh_clear = True
         self.num_rows = num_rows
+
+    def stage_fresh(self, *, fresh_rows: np.ndarray, state_slots: torch.Tensor) -> None:
+        """Stage only the rows to zero, as the caller determined them on the host.
+
+        ``fresh_rows``: ``[n]`` host bool (numpy), the rows whose slots must be
+        zeroed; ``state_slots``: ``[n]`` integer, each row's slot (any device).
+        ``fresh`` becomes ``fresh_rows`` (rows ``n ..`` False) and
+        ``state_slot[:n]`` the slots; nothing else changes. For consumers that
+        read only the fresh rows (as ``stage_no_fresh``): one host-to-device
+        copy and one slot copy, no kernel of ours. The caller vouches that a
+        fresh row names a real slot (the guards still never write a negative one).
+        """
+        if not isinstance(fresh_rows, np.ndarray) or fresh_rows.ndim != 1 or fresh_rows.dtype != np.bool_:
+            raise MetadataError(f"fresh_rows must be a 1-D numpy bool array, got {fresh_rows!r:.80}")
+        n = self._check_rows(state_slots=state_slots)
+        if fresh_rows.size != n:
+            raise MetadataError(f"fresh_rows has {fresh_rows.size} rows, state_slots {n}")
+        flags = np.zeros(self._storage["fresh"].numel(), dtype=np.bool_)
+        flags[:n] = fresh_rows
+        # Pageable memory: the copy returns once the bytes are staged, so the
+        # array may go right away, and it does not wait for the stream.
+        self._storage["fresh"].copy_(torch.from_numpy(flags), non_blocking=True)
+        self.state_slot[:n].copy_(state_slots, non_blocking=True)
+        self._fresh_clear = not fresh_rows.any()
+        self.num_rows = n
 
     def _fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n) -> bool:
         """CUDA: one flags copy and one launch (``gdn_pass.stage_kernel``) instead of ~20 launches.

@@ -166,3 +166,30 @@ def test_stage_no_fresh_clears_fresh_rows_of_the_last_step_and_leaves_the_rest()
 def test_stage_no_fresh_beyond_capacity():
     with pytest.raises(MetadataError, match="capacity of 2"):
         StagedRowMetadata(2).stage_no_fresh(3)
+
+
+def test_stage_fresh_stages_the_given_rows_and_slots_only():
+    import numpy as np
+
+    rows = StagedRowMetadata(4, pad_slot_ids=(-1, 0))
+    stage(rows, ["decode", "decode", "fresh_one_token"])
+    has_init_before = rows.has_initial_state.clone()
+    rows.stage_fresh(fresh_rows=np.array([True, False]), state_slots=torch.tensor([9, 11], dtype=torch.int32))
+    assert rows.fresh.tolist() == [True, False, False, False]  # the last step's row 2, past n, is cleared
+    assert rows.fresh_slots().tolist() == [9] and rows.num_rows == 2
+    assert torch.equal(rows.has_initial_state, has_init_before)  # documented: only fresh and the slots
+    rows.stage_no_fresh(2)  # fresh rows were staged: the next step without any clears them
+    assert not rows.fresh.any()
+
+
+@pytest.mark.parametrize("fresh_rows, slots, match", [
+    ([True, False], [1, 2], "numpy bool"),
+    (None, [1, 2, 3], "fresh_rows has 2 rows"),
+    (None, [1.0, 2.0], "integer"),
+])
+def test_stage_fresh_bad_inputs(fresh_rows, slots, match):
+    import numpy as np
+
+    flags = np.array([True, False]) if fresh_rows is None else fresh_rows
+    with pytest.raises(MetadataError, match=match):
+        StagedRowMetadata(4).stage_fresh(fresh_rows=flags, state_slots=torch.tensor(slots))

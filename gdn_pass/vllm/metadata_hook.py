@@ -74,17 +74,18 @@ def install() -> bool:
         if rows is None:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
         step = host_rows(common, metadata, draft_counts)
-        if step.fresh:
-            step.stage(rows)
-        else:  # most steps: the guards read only fresh rows, and there are none
+        fresh = step.fresh
+        if fresh:  # only what the guards read: the rows to zero and their slots
+            step.stage_fresh(rows)
+        else:  # most steps: nothing to zero
             rows.stage_no_fresh(step.num_rows)
         step_owned = _owner(self, context) is step_guard.Owner.STEP
         caches, table = _group_state(self, context)
         setattr(metadata, ROWS_ATTR, rows)
         setattr(metadata, CACHES_ATTR, table)
-        setattr(metadata, HOST_FRESH_ATTR, step.fresh)
+        setattr(metadata, HOST_FRESH_ATTR, fresh)
         if step_owned:
-            step_guard.zero_group(caches, table, rows, step.fresh)
+            step_guard.zero_group(caches, table, rows, fresh)
             setattr(metadata, step_guard.ZEROED_ATTR, True)
         return metadata
 
@@ -172,27 +173,39 @@ class HostRows:
 
     ``query_lens`` / ``computed``: ``[n]`` numpy integers; ``slot_parts``: the
     builder's device slot tensors, concatenated in the same order;
-    ``zero_start_rows``: the builder's prefill run; ``fresh``: the rows to
-    zero, by the host's count (an upper bound of the staged ``fresh``: the host
-    does not see padding sentinels).
+    ``zero_start_rows``: the builder's prefill run; ``to_zero``: ``[n]`` bool,
+    the rows whose slots the guards must zero (fresh, and on a path whose
+    kernels read the slot); ``fresh``: their count.
     """
 
     query_lens: np.ndarray
     computed: np.ndarray
     slot_parts: list[torch.Tensor]
     zero_start_rows: tuple[int, int]
-    fresh: int
+    to_zero: np.ndarray
 
     @property
     def num_rows(self) -> int:
         return len(self.query_lens)
 
-    def stage(self, rows: StagedRowMetadata) -> None:
+    @property
+    def fresh(self) -> int:
+        return int(np.count_nonzero(self.to_zero))
+
+    def _slots(self) -> torch.Tensor:
         parts = self.slot_parts
-        slots = (parts[0] if len(parts) == 1 else
-                 torch.cat([s.to(parts[0].dtype) for s in parts]) if parts else torch.zeros(0, dtype=torch.int64))
+        if not parts:
+            return torch.zeros(0, dtype=torch.int64)
+        return parts[0] if len(parts) == 1 else torch.cat([s.to(parts[0].dtype) for s in parts])
+
+    def stage(self, rows: StagedRowMetadata) -> None:
+        """Every buffer (``StagedRowMetadata.stage``)."""
         rows.stage(num_computed_tokens=torch.from_numpy(self.computed), query_lens=torch.from_numpy(self.query_lens),
-                   state_slots=slots, zero_start_rows=self.zero_start_rows if parts else None)
+                   state_slots=self._slots(), zero_start_rows=self.zero_start_rows if self.slot_parts else None)
+
+    def stage_fresh(self, rows: StagedRowMetadata) -> None:
+        """Only what the guards read: ``fresh`` and the slots (``StagedRowMetadata.stage_fresh``)."""
+        rows.stage_fresh(fresh_rows=self.to_zero, state_slots=self._slots())
 
 
 def host_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
@@ -211,8 +224,9 @@ def host_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> Hos
         if query_lens.size != non_spec_slots.numel():
             raise _slot_count_error(non_spec_slots.numel(), query_lens.size)
         decodes = min(num_decodes, num_reqs)
-        fresh = np.count_nonzero((computed[:decodes] == 0) & (query_lens[:decodes] > 0))
-        return HostRows(query_lens, computed, [non_spec_slots], (decodes, num_reqs), int(fresh))
+        to_zero = (computed == 0) & (query_lens > 0)
+        to_zero[decodes:] = False
+        return HostRows(query_lens, computed, [non_spec_slots], (decodes, num_reqs), to_zero)
     if metadata.spec_sequence_masks is None:
         parts = [(query_lens, computed, non_spec_slots)]
     else:
@@ -237,7 +251,7 @@ def host_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> Hos
         slots.append(part_slots)
     if not slots:
         empty = np.zeros(0, dtype=np.int64)
-        return HostRows(empty, empty, [], (0, 0), 0)
+        return HostRows(empty, empty, [], (0, 0), np.zeros(0, dtype=np.bool_))
     # Staged order: the non-speculative rows (the builder's decodes first, then its
     # prefills), then the speculative rows. The prefills are the one run of rows
     # whose kernels start a fresh row from zero state themselves.
@@ -245,9 +259,9 @@ def host_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> Hos
     prefills = (min(num_decodes, non_spec_rows), non_spec_rows)
     query_lens = lens[0] if len(lens) == 1 else np.concatenate(lens)
     computed = done[0] if len(done) == 1 else np.concatenate(done)
-    fresh = (computed == 0) & (query_lens > 0)
-    count = int(np.count_nonzero(fresh)) - int(np.count_nonzero(fresh[prefills[0]:prefills[1]]))
-    return HostRows(query_lens, computed, slots, prefills, count)
+    to_zero = (computed == 0) & (query_lens > 0)
+    to_zero[prefills[0]:prefills[1]] = False
+    return HostRows(query_lens, computed, slots, prefills, to_zero)
 
 
 def _slot_count_error(slots: int, rows: int) -> MetadataError:
@@ -278,8 +292,9 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
     the prefill path needs nothing: vLLM's prefill kernels start a row without
     initial state from zero state themselves (they zero or mask its slot).
 
-    Every buffer is staged. The metadata hook calls this only on steps with a
-    row to zero, and ``StagedRowMetadata.stage_no_fresh`` on the others.
+    Every buffer is staged. The metadata hook stages only what its guards read:
+    ``HostRows.stage_fresh`` on steps with a row to zero,
+    ``StagedRowMetadata.stage_no_fresh`` on the others.
     Returns the number of fresh rows as the host sees them (``HostRows.fresh``).
     """
     step = host_rows(common, metadata, draft_counts)

@@ -1,14 +1,14 @@
 """Zero the state slots of fresh rows, without a host sync, capturable in a CUDA graph.
 
     for b in range(max_rows):            # Triton programs per (row, slice of the slot)
-        if fresh[b]:
+        if fresh[b] and slot[b] >= 0:
             cache[slot[b]] = 0
 
 Shapes: ``cache [num_slots, *S]`` (a slot's elements dense in memory, any
 order; the slot stride may exceed them, as in vLLM's shared page pool),
 ``slot [max_rows]`` integer, ``fresh [max_rows]`` bool. Rows that are not
-fresh write nothing, so padding rows and sentinel slot ids are never
-dereferenced. The grid depends only on ``max_rows``, so one captured graph
+fresh, and rows whose slot is negative (vLLM's ``PAD_SLOT_ID``), write
+nothing. The grid depends only on ``max_rows``, so one captured graph
 serves every step while the staged buffers are refreshed in place.
 
 On CPU (or for a layout the kernel does not cover, outside capture) the
@@ -43,6 +43,7 @@ def zero_rows(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> N
             f"{cache.stride()} inside CUDA-graph capture: a slot's elements are not dense"
         )
     slots = slot[fresh]
+    slots = slots[slots >= 0]  # a padding sentinel is never a slot to write
     if slots.numel():
         cache.index_fill_(0, slots.to(cache.device), 0)
 
@@ -81,8 +82,8 @@ def _build_kernel():
                         BLOCK: tl.constexpr):
         row = tl.program_id(0)
         part = tl.program_id(1)
-        if tl.load(fresh_ptr + row).to(tl.int1):
-            slot = tl.load(slot_ptr + row).to(tl.int64)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if tl.load(fresh_ptr + row).to(tl.int1) & (slot >= 0):  # -1: a padding sentinel
             start = part * per_slice
             end = tl.minimum(start + per_slice, slot_numel)
             zeros = tl.zeros([BLOCK], dtype=cache_ptr.dtype.element_ty)
@@ -155,8 +156,8 @@ def _build_multi_kernel():
         row = tl.program_id(0)
         cache = tl.program_id(1)
         part = tl.program_id(2)
-        if tl.load(fresh_ptr + row).to(tl.int1):
-            slot = tl.load(slot_ptr + row).to(tl.int64)
+        slot = tl.load(slot_ptr + row).to(tl.int64)
+        if tl.load(fresh_ptr + row).to(tl.int1) & (slot >= 0):  # -1: a padding sentinel
             base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
             stride = tl.load(table_ptr + cache * 3 + 1)
             numel = tl.load(table_ptr + cache * 3 + 2)

@@ -72,3 +72,41 @@ def test_layouts_the_kernel_does_not_cover_get_no_table():
     assert CacheTable.build([sparse]) is None
     assert CacheTable.build([torch.randn(8, 3, device="cuda", dtype=torch.bfloat16)]) is None  # 6-byte slot
     assert CacheTable.build([]) is None
+
+
+def test_captured_launch_with_rows_staged_by_stage_fresh_never_writes_a_negative_slot():
+    """The metadata hook stages only the rows to zero (``stage_fresh``: one copy of
+    host flags, one slot copy). Replayed over steps whose fresh rows change, the
+    captured launch zeroes exactly them; a fresh row naming -1 (vLLM's PAD_SLOT_ID)
+    writes nothing, not even the slot before the cache (a guard slot here)."""
+    import numpy as np
+
+    guarded = torch.randn(NUM_SLOTS + 1, 4 * 32 * 32, device="cuda")
+    cache = guarded[1:].view(NUM_SLOTS, 4, 32, 32)  # slot -1 would land in guarded[0]
+    table = CacheTable.build([cache])
+    rows = StagedRowMetadata(MAX_ROWS, device="cuda", pad_slot_ids=(-1, 0))
+    rows.stage_fresh(fresh_rows=np.zeros(1, dtype=bool), state_slots=torch.full((1,), -1, device="cuda"))
+    zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+    rng = random.Random(7)
+    for step in range(20):
+        n = rng.randint(1, MAX_ROWS)
+        slots = rng.sample(range(1, NUM_SLOTS), n)
+        to_zero = np.array([rng.random() < 0.4 for _ in range(n)])
+        if step % 3 == 0:
+            slots[0], to_zero[0] = -1, True
+        guarded.copy_(torch.randn_like(guarded))
+        before = guarded.clone()
+        rows.stage_fresh(fresh_rows=to_zero, state_slots=torch.tensor(slots, dtype=torch.int32, device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        zeroed = {s for s, z in zip(slots, to_zero) if z and s >= 0}
+        assert torch.equal(guarded[0], before[0]), "wrote the slot before the cache"
+        for s in range(NUM_SLOTS):
+            if s in zeroed:
+                assert cache[s].eq(0).all(), (step, s)
+            else:
+                assert torch.equal(cache[s], before[s + 1].view(4, 32, 32)), (step, s)

@@ -208,7 +208,7 @@ def test_configured_engine_stages_rows_on_every_layout(monkeypatch, like_0_26, b
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # 0.26's call
     rows = getattr(metadata, ROWS_ATTR)
     assert rows.device == torch.device("cpu")
-    assert rows.has_initial_state[:3].tolist() == [True, False, True]
+    assert rows.fresh[:3].tolist() == [False, True, False]
     assert metadata.non_spec_state_indices_tensor.tolist() == [3, 4, 5]
     assert rows.fresh_slots().tolist() == [4]
 

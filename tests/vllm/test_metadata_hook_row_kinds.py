@@ -135,9 +135,9 @@ def poisoned_caches(config) -> list[torch.Tensor]:
 
 
 def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool, monkeypatch):
-    """Build one step; return vLLM's metadata, the hook's staged rows, every row of the
-    step staged in full by ``stage_rows`` (the hook stages in full only steps with a
-    row to zero), and the caches after the build."""
+    """Build one step; return vLLM's metadata, the hook's staged rows (only what its
+    guards read: the rows to zero and their slots), every row of the step staged
+    in full by ``stage_rows``, and the caches after the build."""
     config = engine_config(cache_mode, num_spec)
     caches = poisoned_caches(config)
     # No guarded twin has run in this process: the step guard owns the group and
@@ -359,11 +359,8 @@ def check_step(reqs, cache_mode, metadata, rows, full, caches):
     read_anyway = reads_slot_regardless(reqs, metadata)
     fresh = {r.reads for r, reads in zip(reqs, read_anyway) if not r.restored and reads}
     assert set(full.fresh_slots().tolist()) == fresh
-    if fresh:  # the hook stages the step in full
-        assert staged_by_slot(rows) == staged_by_slot(full)
-        assert set(rows.fresh_slots().tolist()) == fresh
-    else:  # no row to zero: the hook stages only that (what its guards read)
-        assert not rows.fresh.any()
+    # The hook stages only what its guards read: the rows to zero and their slots.
+    assert set(rows.fresh_slots().tolist()) == fresh
     # The step guard zeroed exactly the slots of the fresh rows whose kernels
     # read them, in every cache: a restored row's state (a prefix hit's copied
     # state included) and a fresh prefill's recycled slot are untouched.
@@ -410,8 +407,8 @@ def test_continuing_speculative_row_is_never_zeroed_whatever_it_accepted(monkeyp
     zeroed, while the fresh padded request next to it (num_accepted_tokens 1,
     gpu_input_batch.py add_request) has its column 0 zeroed."""
     spec_decode = dataclasses.replace(SPEC_DECODE, accepted=accepted, reads=SPEC_DECODE.blocks[accepted - 1])
-    _, rows, _, caches = run_step([spec_decode, SPEC_NEW_PADDED], cache_mode="none", num_spec=SPEC,
+    _, rows, full, caches = run_step([spec_decode, SPEC_NEW_PADDED], cache_mode="none", num_spec=SPEC,
                                like_0_26=False, monkeypatch=monkeypatch)
-    assert rows.has_initial_state[:2].tolist().count(False) == 1
+    assert full.has_initial_state[:2].tolist().count(False) == 1
     assert rows.fresh_slots().tolist() == [SPEC_NEW_PADDED.reads]
     assert zeroed_slots(caches) == [{SPEC_NEW_PADDED.reads}] * len(caches)

@@ -102,3 +102,18 @@ def test_step_the_host_knows_has_no_fresh_row_launches_nothing_outside_capture(m
     monkeypatch.setattr(state_guard, "_capturing", lambda: capturing)
     zero_fresh_state(layer.prefix)
     assert layer.kv_cache[1][5].eq(0.0 if capturing else 6.0).all()
+
+
+def test_a_fresh_row_naming_the_padding_slot_writes_nothing(monkeypatch):
+    """``stage_fresh`` takes the host's rows as they are; a fresh row whose slot is
+    -1 (vLLM's PAD_SLOT_ID) must not zero the last slot (``cache[-1]``) on CPU."""
+    import numpy as np
+
+    layer = poisoned_layer()
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
+    rows.stage_fresh(fresh_rows=np.array([True, True]), state_slots=torch.tensor([-1, 4]))
+    install_context(monkeypatch, layer, SimpleNamespace(**{ROWS_ATTR: rows}))
+    zero_fresh_state(layer.prefix)
+    ssm = layer.kv_cache[1]
+    assert ssm[4].eq(0).all()
+    assert ssm[NUM_SLOTS - 1].eq(6.0).all()
