@@ -12,7 +12,11 @@ for the builder's non-speculative rows, in the order of
 ``non_spec_state_indices_tensor``, then its speculative rows (whose first step
 can be fresh too). The rows live in one ``StagedRowMetadata``
 per builder (persistent buffers, refreshed in place) and are attached to the
-built metadata, where the guarded ops find them. Where no guarded op covers
+built metadata, where the guarded ops find them. Only what the guards read
+is staged: on a step with a row to zero, its flag and slot
+(``StagedRowMetadata.stage_fresh``: two copies, no kernel); on the others,
+nothing (``stage_no_fresh``: ``fresh`` cleared once after a step that had
+fresh rows). Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
 hook zeroes the fresh slots itself right after the build (``step_guard``).
 """

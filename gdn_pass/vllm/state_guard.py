@@ -4,13 +4,13 @@ Runs eagerly inside the guarded op (see ``guarded_ops``), where vLLM's own
 kernels run: it finds the layer and this step's staged rows through vLLM's
 forward context, exactly as the original op finds its caches.
 
-    fresh = rows.valid & ~rows.has_initial_state
+    fresh = rows.fresh                    # staged by the metadata hook: the rows to zero
     for cache in layer.kv_cache:          # conv state, recurrent state, ...
         cache[rows.state_slot[fresh]] = 0     # on CUDA: sync-free Triton, capturable
 
 A step whose metadata says no row is fresh (the host's count) launches
-nothing, except inside CUDA-graph capture. On CUDA the first guarded layer of a step zeroes the fresh slots of every GDN
-layer that shares its metadata, in one launch; the others skip. Where the
+nothing, except inside CUDA-graph capture. On CUDA the first guarded layer
+of a step zeroes the fresh slots of every GDN layer that shares its metadata, in one launch; the others skip. Where the
 metadata hook's step guard owns the group (``step_guard``), the slots were
 zeroed at build time and the twin does nothing.
 """

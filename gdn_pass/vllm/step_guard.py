@@ -13,7 +13,7 @@ the builder's group right after ``build()``, on the host thread that enqueues
 the step, before the model's forward is launched::
 
     metadata = build(...)                     # vLLM
-    rows.stage(...)                           # metadata_hook
+    rows.stage_fresh(...) / stage_no_fresh()  # metadata_hook: the rows to zero, their slots
     if owner(group) is STEP and any fresh row (known on the host):
         for cache in every layer's kv_cache:  # conv + recurrent, ...
             cache[slot[fresh]] = 0            # CUDA: one sync-free launch for the group
