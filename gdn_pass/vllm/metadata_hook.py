@@ -41,7 +41,7 @@ from gdn_pass._logging import logger
 _MARK = "__gdn_pass_wrapped__"
 _BUILDER_CONTEXT = "_gdn_pass_context"
 _BUILDER_ROWS = "_gdn_pass_rows"
-_BUILDER_TABLE = "_gdn_pass_cache_table"
+_BUILDER_GROUP_STATE = "_gdn_pass_group_state"
 _BUILDER_OWNER = "_gdn_pass_owner"
 _warned: set[str] = set()
 
@@ -151,13 +151,13 @@ def _group_state(builder, context: compat.BuilderContext) -> tuple[list[torch.Te
     """
     forward_context = context.vllm_config.compilation_config.static_forward_context
     bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
-    kept = builder.__dict__.get(_BUILDER_TABLE)
+    kept = builder.__dict__.get(_BUILDER_GROUP_STATE)
     if kept is not None and len(kept[0]) == len(bound) and all(a is b for a, b in zip(kept[0], bound)):
         return kept[1], kept[2]
     caches = [t for kv_cache in bound for t in (kv_cache or ())
               if isinstance(t, torch.Tensor) and t.numel()]
     table = CacheTable.build(caches) if caches and context.device.type == "cuda" else None
-    builder.__dict__[_BUILDER_TABLE] = (bound, caches, table)
+    builder.__dict__[_BUILDER_GROUP_STATE] = (bound, caches, table)
     return caches, table
 
 

@@ -10,9 +10,10 @@ forward context, exactly as the original op finds its caches.
 
 A step whose metadata says no row is fresh (the host's count) launches
 nothing, except inside CUDA-graph capture. On CUDA the first guarded layer
-of a step zeroes the fresh slots of every GDN layer that shares its metadata, in one launch; the others skip. Where the
-metadata hook's step guard owns the group (``step_guard``), the slots were
-zeroed at build time and the twin does nothing.
+of a step zeroes the fresh slots of every GDN layer that shares its
+metadata, in one launch; the others skip. Where the metadata hook's step
+guard owns the group (``step_guard``), the slots were zeroed at build time
+and the twin does nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ ROWS_ATTR = "gdn_pass_rows"
 # Attribute holding the CacheTable of every GDN layer that shares the metadata
 # (CUDA only), so that the first guarded op of a step zeroes them all at once.
 CACHES_ATTR = "gdn_pass_caches"
-# The host's count of the step's fresh rows (an upper bound of the staged
-# ``fresh``): with none, an eager twin launches nothing. Inside CUDA-graph
+# The host's count of the step's rows to zero (the rows staged in ``fresh``):
+# with none, an eager twin launches nothing. Inside CUDA-graph
 # capture it launches anyway, so the replayed graph zeroes later steps' rows.
 HOST_FRESH_ATTR = "gdn_pass_host_fresh"
 _DONE_ATTR = "_gdn_pass_zeroed"

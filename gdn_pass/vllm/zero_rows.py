@@ -107,12 +107,7 @@ class CacheTable:
         self.caches = caches
         self.table = table
         self.max_slot_words = max_slot_words
-        self.key = self.key_of(caches)
         self.addresses = frozenset(c.data_ptr() for c in caches)
-
-    @staticmethod
-    def key_of(caches: list[torch.Tensor]) -> tuple:
-        return tuple((c.data_ptr(), c.stride(), c.shape, c.dtype) for c in caches)
 
     @classmethod
     def build(cls, caches: list[torch.Tensor]) -> "CacheTable | None":
