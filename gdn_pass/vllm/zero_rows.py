@@ -16,8 +16,17 @@ fresh slots are selected on the host and zeroed with ``index_fill_``.
 
 ``CacheTable`` + ``zero_rows_all`` do the same for many caches (every GDN
 layer's conv and recurrent state) in one launch: a device table holds each
-cache's address, slot stride and slot size, so one grid of (row, cache,
-slice) programs covers them all.
+cache's address, slot stride and slot size. Its grid is a fixed number of
+programs (two per SM) that share the step's work, whatever it is::
+
+    k-th fresh row = the row where cumsum(fresh) first reaches k + 1   # every program, in registers
+    for item in range(program, count(fresh) * caches * chunks, programs):
+        k, cache, chunk = unravel(item)
+        cache[slot[k-th fresh row]][chunk] = 0      # a 64 KiB chunk of one slot
+
+so a step with one fresh row spreads its slots (2 MiB per recurrent slot at
+Qwen3-Next's dimensions) over the whole GPU, and a step with none costs one
+wave of programs that read ``fresh`` and exit.
 """
 
 from __future__ import annotations
@@ -125,21 +134,36 @@ class CacheTable:
 
 
 def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) -> None:
-    """``zero_rows`` on every cache of ``table``, in one launch."""
+    """``zero_rows`` on every cache of ``table``, in one launch.
+
+    ``slot`` / ``fresh``: ``[max_rows]``, as staged. The grid depends only on
+    the device, so a captured launch serves every later step.
+    """
     global _multi_kernel
     if _multi_kernel is None:
         _multi_kernel = _build_multi_kernel()
-    rows, num_caches = slot.numel(), table.table.shape[0]
-    # Programs of rows that are not fresh exit at once but still cost a launch
-    # slot: split slots only while the grid stays near two programs per SM.
-    slices = max(1, min(_SLICES, _TARGET_PROGRAMS // max(rows * num_caches, 1),
-                        (table.max_slot_words + _BLOCK - 1) // _BLOCK))
-    _multi_kernel[(rows, table.table.shape[0], slices)](
-        table.table, slot, fresh, slices, BLOCK=_BLOCK)
+    rows = slot.numel()
+    if fresh.numel() != rows:
+        raise ValueError(f"fresh has {fresh.numel()} rows, slot {rows}")
+    chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
+    _multi_kernel[(_programs(slot.device),)](
+        table.table, slot, fresh, rows, table.table.shape[0], chunks, _CHUNK_WORDS,
+        ROWS=max(16, 1 << (rows - 1).bit_length()), BLOCK=_BLOCK)
 
 
 _multi_kernel = None
-_TARGET_PROGRAMS = 264
+# A work item zeroes this many 4-byte words of one slot: 64 KiB, so a 2 MiB
+# recurrent slot is 32 items spread over the GPU, and a small conv slot one.
+_CHUNK_WORDS = 16384
+_PROGRAMS_PER_SM = 2
+_programs_of: dict[int, int] = {}
+
+
+def _programs(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _programs_of:
+        _programs_of[index] = _PROGRAMS_PER_SM * torch.cuda.get_device_properties(index).multi_processor_count
+    return _programs_of[index]
 
 
 def _build_multi_kernel():
@@ -147,21 +171,32 @@ def _build_multi_kernel():
     import triton.language as tl
 
     @triton.jit
-    def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, slices, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        cache = tl.program_id(1)
-        part = tl.program_id(2)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        if tl.load(fresh_ptr + row).to(tl.int1) & (slot >= 0):  # -1: a padding sentinel
-            base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
-            stride = tl.load(table_ptr + cache * 3 + 1)
+    def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, num_rows, num_caches, chunks, chunk_words,
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = tl.arange(0, ROWS)
+        flags = tl.load(fresh_ptr + rows, mask=rows < num_rows, other=0).to(tl.int32)
+        flags = (flags != 0).to(tl.int32)
+        # rank[r] = how many fresh rows come up to and including r; the k-th fresh row is the
+        # fresh row of rank k + 1.
+        rank = tl.cumsum(flags, 0)
+        items_per_row = num_caches * chunks
+        total = tl.sum(flags, 0) * items_per_row
+        for item in range(tl.program_id(0), total, tl.num_programs(0)):
+            k = item // items_per_row
+            rest = item - k * items_per_row
+            cache = rest // chunks
+            chunk = rest - cache * chunks
+            row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
+            slot = tl.load(slot_ptr + row).to(tl.int64)
             numel = tl.load(table_ptr + cache * 3 + 2)
-            per_slice = (numel + slices - 1) // slices
-            start = part * per_slice
-            end = tl.minimum(start + per_slice, numel)
-            zeros = tl.zeros([BLOCK], dtype=tl.int32)
-            for offset in range(start, end, BLOCK):
-                offs = offset + tl.arange(0, BLOCK)
-                tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+            start = chunk.to(tl.int64) * chunk_words
+            if (slot >= 0) & (start < numel):  # -1: a padding sentinel; small caches have fewer chunks
+                base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
+                stride = tl.load(table_ptr + cache * 3 + 1)
+                end = tl.minimum(start + chunk_words, numel)
+                zeros = tl.zeros([BLOCK], dtype=tl.int32)
+                for offset in range(start, end, BLOCK):
+                    offs = offset + tl.arange(0, BLOCK)
+                    tl.store(base + slot * stride + offs, zeros, mask=offs < end)
 
     return zero_fresh_rows_all

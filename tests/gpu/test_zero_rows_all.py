@@ -110,3 +110,51 @@ def test_captured_launch_with_rows_staged_by_stage_fresh_never_writes_a_negative
                 assert cache[s].eq(0).all(), (step, s)
             else:
                 assert torch.equal(cache[s], before[s + 1].view(4, 32, 32)), (step, s)
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_slots_larger_than_a_chunk_and_more_work_than_programs(captured):
+    """Recurrent slots of several 64 KiB chunks (and a ragged last one) next to
+    one-chunk conv slots; up to every row fresh, so that each program of the
+    fixed grid zeroes many chunks. Only the fresh rows' slots change."""
+    import numpy as np
+
+    from gdn_pass.vllm import zero_rows as module
+
+    num_slots, max_rows = 160, 128
+    words = 3 * module._CHUNK_WORDS + 1000  # three full chunks and a ragged one
+    conv = torch.randn(num_slots, 3, 256, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    pool = torch.randn(num_slots, words + 64, device="cuda")
+    ssm = pool[:, :words]
+    table = CacheTable.build([conv, ssm])
+    rows = StagedRowMetadata(max_rows, device="cuda", pad_slot_ids=(-1, 0))
+    rows.stage_fresh(fresh_rows=np.zeros(1, dtype=bool), state_slots=torch.full((1,), -1, device="cuda"))
+    zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+    torch.cuda.synchronize()
+    graph = None
+    if captured:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+    rng = random.Random(11)
+    for step, share in enumerate([0.0, 1 / 128, 0.5, 1.0, 0.25]):
+        n = max_rows
+        slots = rng.sample(range(1, num_slots), n)
+        to_zero = np.array([rng.random() < share for _ in range(n)]) if share < 1 else np.ones(n, dtype=bool)
+        if share == 1 / 128:
+            to_zero[:] = False
+            to_zero[n - 1] = True  # the last row alone
+        conv.copy_(torch.randn_like(conv.float()).to(conv.dtype))
+        pool.copy_(torch.randn_like(pool))
+        conv0, pool0 = conv.clone(), pool.clone()
+        rows.stage_fresh(fresh_rows=to_zero, state_slots=torch.tensor(slots, device="cuda"))
+        if graph is None:
+            zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+        else:
+            graph.replay()
+        torch.cuda.synchronize()
+        zeroed = torch.zeros(num_slots, dtype=torch.bool)
+        zeroed[[s for s, z in zip(slots, to_zero) if z]] = True
+        assert conv[zeroed].eq(0).all() and ssm[zeroed].eq(0).all(), step
+        assert torch.equal(pool[zeroed][:, words:], pool0[zeroed][:, words:]), "wrote past the slot"
+        assert torch.equal(conv[~zeroed], conv0[~zeroed]) and torch.equal(pool[~zeroed], pool0[~zeroed]), step

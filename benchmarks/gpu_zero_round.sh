@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The group zeroing launch on the H200 in one device call on nvidia-h200-x2 (vLLM
+# 0.26 bundle already unpacked: ../shared/gpu-vllm/README.md):
+#   GPU 0: benchmarks/zero_rows_bandwidth.py (this grid against the previous one),
+#          then the CUDA staging / zeroing / capture tests in a process without vLLM,
+#          then the zeroing tests again on a copy whose kernel picks the wrong row
+#          (they must fail: the tests can see a broken guard).
+#   GPU 1: tests/gpu/test_vllm_e2e.py in modes default and full (the pass on vs the
+#          prompts run alone in fresh engines, pass off diverges).
+# Both share the host; zero_rows_bandwidth times GPU replays only. On a one-GPU
+# machine (nvidia-h200) the e2e tests run after the rest, on GPU 0. Everything lands in $OUT.
+#
+#   bash benchmarks/gpu_zero_round.sh
+set -u
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site-project VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+e2e() {
+    CUDA_VISIBLE_DEVICES=$1 GDN_PASS_GPU_RESULTS=$OUT/gpu_tests GDN_PASS_GPU_MODES=default,full timeout 380 \
+        bash scripts/test-gpu -q -p no:logging tests/gpu/test_vllm_e2e.py > "$OUT/e2e.log" 2>&1
+    echo "e2e exit $?" >> "$OUT/e2e.log"
+}
+one_gpu=$([ "$(nvidia-smi -L | wc -l)" -lt 2 ] && echo 1)
+[ -z "$one_gpu" ] && e2e 1 &
+CUDA_VISIBLE_DEVICES=0 timeout 240 python3 benchmarks/zero_rows_bandwidth.py --out "$OUT/zero" > "$OUT/zero.log" 2>&1
+echo "zero_rows_bandwidth exit $?"
+units=(tests/gpu/test_stage_rows_cuda.py tests/gpu/test_zero_rows_all.py tests/gpu/test_zero_rows_capture.py
+       tests/gpu/test_op_guard_capture.py)
+CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider "${units[@]}" \
+    > "$OUT/cuda_units.log" 2>&1
+echo "cuda units exit $? | $(tail -1 "$OUT/cuda_units.log")"
+broken=/tmp/broken-guard
+rm -rf $broken && mkdir -p $broken && cp -r gdn_pass inductor_ext tests pyproject.toml $broken/
+sed -i 's/(rank == k + 1)/(rank == k)/' $broken/gdn_pass/vllm/zero_rows.py
+(cd $broken && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$broken timeout 200 python3 -m pytest -q -p no:cacheprovider \
+    tests/gpu/test_zero_rows_all.py tests/gpu/test_zero_rows_capture.py > "$OUT/cuda_units_broken.log" 2>&1)
+echo "broken guard (must fail): exit $? | $(tail -1 "$OUT/cuda_units_broken.log")"
+[ -n "$one_gpu" ] && e2e 0
+wait
+grep "^|" "$OUT/zero.log"
+tail -4 "$OUT/e2e.log"
