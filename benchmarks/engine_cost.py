@@ -213,8 +213,12 @@ class Engine:
         while self.engine.has_unfinished_requests():
             self.engine.step()
 
-    def steps(self, batch: int, fresh: int, steps: int, warmup: int) -> dict:
-        """Seconds per step with ``batch`` one-token rows, ``fresh`` of them brand-new every step."""
+    def steps(self, batch: int, fresh: int, steps: int, warmup: int, profiler=None) -> dict:
+        """Seconds per step with ``batch`` one-token rows, ``fresh`` of them brand-new every step.
+
+        ``profiler``: a ``torch.profiler.profile`` started just before the timed
+        steps and stopped after them (``profile``).
+        """
         rng = random.Random(batch * 1000 + fresh)
         decoders = [self._add([rng.randrange(10, 1000) for _ in range(32)], self.max_tokens)
                     for _ in range(batch - fresh)]
@@ -223,6 +227,9 @@ class Engine:
         start, hook0, parts0 = 0.0, 0.0, {}
         for i in range(warmup + steps):
             if i == warmup:
+                if profiler is not None:
+                    _synchronize()
+                    profiler.start()
                 start = time.perf_counter()
                 if self.clock:
                     hook0, parts0 = self.clock.seconds, dict(self.clock.by_function)
@@ -230,12 +237,35 @@ class Engine:
                 self._add([rng.randrange(10, 1000)], 1)
             self.engine.step()
         per_step = (time.perf_counter() - start) / steps
+        if profiler is not None:
+            _synchronize()
+            profiler.stop()
         hook = ((self.clock.seconds - hook0) / steps) if self.clock else None
         parts = ({k: (v - parts0.get(k, 0.0)) / steps for k, v in self.clock.by_function.items()}
                  if self.clock else None)
         self.engine.abort_request(decoders)
         self._drain()
         return dict(step_s=per_step, hook_s=hook, hook_parts_s=parts)
+
+    def profile(self, batch: int, fresh: int, steps: int, warmup: int, top: int = 12) -> dict:
+        """``steps`` under torch.profiler: GPU kernel time per step, its largest kernels, the wall time.
+
+        The profiler slows the host, so the wall time here is not comparable
+        with ``steps``; the kernel times are what the GPU did. A step whose
+        kernels take much less than its wall time waits on the host.
+        """
+        import torch
+        from torch.profiler import ProfilerActivity, profile
+
+        profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        timed = self.steps(batch, fresh, steps, warmup, profiler=profiler)
+        kernels = [e for e in profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels.sort(key=lambda e: -e.self_device_time_total)
+        gpu_us = sum(e.self_device_time_total for e in kernels) / steps
+        return dict(wall_ms=round(timed["step_s"] * 1e3, 3), gpu_kernel_us=round(gpu_us, 1),
+                    hook_us=None if timed["hook_s"] is None else round(timed["hook_s"] * 1e6, 1),
+                    top=[dict(kernel=e.key[:100], per_step=round(e.count / steps, 2),
+                              us_per_step=round(e.self_device_time_total / steps, 1)) for e in kernels[:top]])
 
     def stream(self, requests: int, seed: int) -> dict:
         """A serving-like stream: output tokens per second."""
@@ -271,6 +301,13 @@ def _engine_process(spec: dict, conn) -> None:
         import traceback
 
         conn.send(dict(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:]))
+
+
+def _synchronize() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------- driver side
@@ -350,6 +387,7 @@ def run(args, save=lambda result: None) -> dict:
     hooks: dict[str, list] = {k: [] for k in keys}
     hook_parts: dict[str, list] = {k: [] for k in keys}
     streams: dict[str, list] = {v: [] for v in VARIANTS}
+    profiles: dict[str, dict] = {}
     import vllm
 
     def result(rounds_done: int) -> dict:
@@ -359,7 +397,7 @@ def run(args, save=lambda result: None) -> dict:
                     engine_start_s=round(start_s, 1), rounds=rounds_done, steps=args.steps,
                     fresh_row_check=checks, check_valid=check_valid,
                     rows=_rows(times, hooks, hook_parts) if rounds_done else [],
-                    stream=_stream_result(streams))
+                    stream=_stream_result(streams), profiles=profiles)
 
     def out_of_time() -> bool:
         return bool(args.time_budget) and time.time() - started > args.time_budget
@@ -377,6 +415,13 @@ def run(args, save=lambda result: None) -> dict:
                 streams[v].append(_ask(engines, v, op="stream", requests=args.stream, seed=sr)["tokens_per_s"])
         print(f"stream done at {time.time() - started:.0f} s", file=sys.stderr, flush=True)
 
+    for spec in args.profile:  # before the rounds: a run cut short still has them
+        b, f = (int(x) for x in spec.split(":"))
+        profiles[f"B={b} fresh={f}"] = {v: _ask(engines, v, op="profile", batch=b, fresh=f, steps=args.steps,
+                                                 warmup=args.warmup) for v in VARIANTS}
+        print(f"profiled B={b} fresh={f}: " + json.dumps({v: (p["wall_ms"], p["gpu_kernel_us"])
+                                                          for v, p in profiles[f"B={b} fresh={f}"].items()}),
+              file=sys.stderr, flush=True)
     save(result(0))
     if args.rounds == 0 and args.stream_rounds:  # the stream alone
         measure_stream()
@@ -468,6 +513,14 @@ def render(result: dict) -> str:
                       f"warm-up stream per variant): unguarded {s['unguarded_tokens_per_s']} output tokens/s; "
                       f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']} "
                       "(ratios of tokens/s; higher is faster)."]
+    for case, by_variant in (result.get("profiles") or {}).items():
+        lines += ["", f"Profile, {case} (torch.profiler, one window of {result['steps']} steps per variant; "
+                      "wall time slowed by the profiler):", "",
+                  "| variant | wall ms/step | GPU kernel us/step | hook us/step | largest kernels, us/step |",
+                  "|---|---|---|---|---|"]
+        for v, p in by_variant.items():
+            top = "; ".join(f"{k['kernel'][:60]} {k['us_per_step']} ({k['per_step']}x)" for k in p["top"][:6])
+            lines.append(f"| {v} | {p['wall_ms']} | {p['gpu_kernel_us']} | {p['hook_us'] or '-'} | {top} |")
     return "\n".join(lines) + "\n"
 
 
@@ -488,6 +541,9 @@ def main() -> int:
     ap.add_argument("--stream-rounds", type=int, default=3, help="measured stream rounds (0: no stream)")
     ap.add_argument("--stream-warmup", type=int, default=100,
                     help="requests of the unmeasured stream each variant runs first")
+    ap.add_argument("--profile", nargs="*", default=[], metavar="B:F",
+                    help="cases to run once under torch.profiler per variant, before the rounds "
+                         "(GPU kernel time per step and the largest kernels)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)

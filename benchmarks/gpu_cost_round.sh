@@ -16,7 +16,9 @@
 # Everything lands in $OUT: engine_cost_<PART>.{json,md,log}, gated_read_overhead.tgz,
 # gpu_tests.log and gpu_tests/ (GPU1_TESTS).
 #
-#   [GPU1_TESTS="tests/gpu/..."] bash benchmarks/gpu_cost_round.sh PART [LAYERS] [TIME_BUDGET_S]
+# ENGINE_COST_ARGS (optional): more engine_cost.py arguments, e.g. "--profile 8:4".
+#
+#   [GPU1_TESTS="tests/gpu/..."] [ENGINE_COST_ARGS=...] bash benchmarks/gpu_cost_round.sh PART [LAYERS] [TIME_BUDGET_S]
 set -u
 part=$1 layers=${2:-12} budget=${3:-440}
 export PYTHONPATH=$PWD:/tmp/site:/tmp/site-project VLLM_USE_FLASHINFER_SAMPLER=0 PYTHONUNBUFFERED=1 \
@@ -44,7 +46,7 @@ case $part in
     *) echo "PART is steps, stream or both" >&2; exit 2 ;;
 esac
 CUDA_VISIBLE_DEVICES=0 timeout $((budget + 120)) python3 benchmarks/engine_cost.py --dims qwen3-next-80b \
-    --layers "$layers" --gpu "${what[@]}" --time-budget "$budget" --workdir /tmp/ec --out "$OUT" \
+    --layers "$layers" --gpu "${what[@]}" ${ENGINE_COST_ARGS:-} --time-budget "$budget" --workdir /tmp/ec --out "$OUT" \
     --name "engine_cost_$part" > "$OUT/engine_cost_$part.log" 2>&1
 echo "engine_cost exit $?"
 wait
@@ -52,4 +54,4 @@ tail -3 "$OUT/gpu_tests.log" 2>/dev/null
 grep -h "| fla | 256" /tmp/gro/run*/gated_read_overhead.md 2>/dev/null
 [ -d /tmp/gro ] && tar czf "$OUT/gated_read_overhead.tgz" -C /tmp gro gro.log
 cat "$OUT/engine_cost_$part.md" 2>/dev/null
-grep -E "started in|fresh-row|round|stream done|budget|Error" "$OUT/engine_cost_$part.log" | cut -c1-300
+grep -E "started in|fresh-row|profiled|round|stream done|budget|Error" "$OUT/engine_cost_$part.log" | cut -c1-300
