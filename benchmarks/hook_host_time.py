@@ -16,8 +16,6 @@ vLLM's own build), interleaved, and reports the difference per build:
 
 On a step with a row to zero the hook copies one host array of flags and the
 rows' slots (``StagedRowMetadata.stage_fresh``); with none it copies nothing.
-On CUDA those steps run twice, interleaved: flags copied from pinned blocks
-(shipped) and from pageable memory (``flags_copy``).
 
     python benchmarks/hook_host_time.py [--batches 1 8 64 256] [--repeat 400] [--out DIR]
 """
@@ -116,8 +114,6 @@ def busy_build_us(builder, step) -> float:
 
 
 def main():
-    from gdn_pass.metadata import StagedRowMetadata
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--repeat", type=int, default=400)
@@ -133,29 +129,23 @@ def main():
             if fresh > batch:
                 continue
             step = common_step(batch, fresh, device)
-            # With a row to zero the flags are copied to the GPU: from the shipped
-            # pinned blocks, and from pageable memory (the earlier copy), interleaved.
-            for variant in (("pinned", "pageable") if cuda and fresh else ("-",)):
-                StagedRowMetadata.pinned_flag_copies = variant != "pageable"
-                for _ in range(50):  # warm-up: caches, allocator
-                    builder.build(0, step)
-                sync()
-                with_hook, alone = time_builds(builder, step, args.repeat, sync)
-                row = dict(batch=batch, fresh=fresh, flags_copy=variant, vllm_us=round(alone, 1),
-                           hook_us=round(with_hook - alone, 1))
-                if cuda and fresh:
-                    row["busy_us"] = round(busy_build_us(builder, step), 1)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-            StagedRowMetadata.pinned_flag_copies = True
+            for _ in range(50):  # warm-up: caches, allocator
+                builder.build(0, step)
+            sync()
+            with_hook, alone = time_builds(builder, step, args.repeat, sync)
+            row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
+            if cuda and fresh:
+                row["busy_us"] = round(busy_build_us(builder, step), 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     import vllm
 
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]),
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows)
-    table = ["| B | fresh | flags copied from | vLLM build us | hook us per build "
-             "| one build behind 2 ms of GPU work, us |", "|---|---|---|---|---|---|"]
-    table += [f"| {r['batch']} | {r['fresh']} | {r['flags_copy']} | {r['vllm_us']} | {r['hook_us']} | "
+    table = ["| B | fresh | vLLM build us | hook us per build | one build behind 2 ms of GPU work, us |",
+             "|---|---|---|---|---|"]
+    table += [f"| {r['batch']} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
               f"{r.get('busy_us', '')} |" for r in rows]
     print("\n".join(table))
     if args.out:

@@ -109,7 +109,6 @@ class StagedRowMetadata:
         # Host-side knowledge that ``fresh`` is all False on the device (as
         # allocated, or after ``stage_no_fresh``): lets ``stage_no_fresh`` skip its fill.
         self._fresh_clear = True
-        self._flag_blocks: _PinnedBlocks | None = None
 
     def stage(
         self,
@@ -205,22 +204,15 @@ class StagedRowMetadata:
         self._fresh_clear = not fresh_rows.any()
         self.num_rows = n
 
-    # False: copy the flags from pageable memory, as before the pinned blocks
-    # (kept for benchmarks/hook_host_time.py's comparison).
-    pinned_flag_copies = True
-
     def _copy_fresh_flags(self, fresh_rows: np.ndarray) -> None:
-        """``fresh`` := ``fresh_rows`` (rows past them False), one host-to-device copy, never waiting for the stream."""
+        """``fresh`` := ``fresh_rows`` (rows past them False): one host-to-device copy."""
         target = self._storage["fresh"]
-        if target.is_cuda and self.pinned_flag_copies:
-            if self._flag_blocks is None:
-                self._flag_blocks = _PinnedBlocks(target.numel())
-            self._flag_blocks.copy_to(target, fresh_rows)
-            return
         flags = np.zeros(target.numel(), dtype=np.bool_)
         flags[: fresh_rows.size] = fresh_rows
         # Pageable memory: the copy returns once the bytes are staged, so the
-        # array may go right away, and it does not wait for the stream.
+        # array may go right away, and it does not wait for the stream. Pinned
+        # blocks reused in turn, each waiting on an event, cost the host 10-15 us
+        # more per build on the H200 (benchmarks/results/hook_host_time_gpu_pinned.md).
         target.copy_(torch.from_numpy(flags), non_blocking=True)
 
     def _fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n) -> bool:
@@ -293,34 +285,3 @@ class StagedRowMetadata:
             f"pad_slot_ids={self.pad_slot_ids}, scratch_slot={self.scratch_slot})"
         )
 
-
-class _PinnedBlocks:
-    """A few pinned host blocks for one small host-to-device copy per step, reused in turn.
-
-    A copy from pinned memory is a plain DMA the stream runs later, so the
-    block must not change until the stream has read it: each block's event,
-    recorded after its copy, is waited for before the block is written again
-    (with ``depth`` blocks, only when the stream is that many copies behind).
-    A pageable copy costs the host a staging copy inside the driver instead.
-    """
-
-    def __init__(self, numel: int, depth: int = 4):
-        self._blocks = [torch.zeros(numel, dtype=torch.bool, pin_memory=True) for _ in range(depth)]
-        self._arrays = [block.numpy() for block in self._blocks]
-        self._events: list[torch.cuda.Event | None] = [None] * depth
-        self._next = 0
-
-    def copy_to(self, target: torch.Tensor, values: np.ndarray) -> None:
-        """``target[:k] = values``, ``target[k:] = False``, enqueued on the current stream."""
-        i = self._next
-        self._next = (i + 1) % len(self._blocks)
-        event = self._events[i]
-        if event is None:
-            event = self._events[i] = torch.cuda.Event()
-        elif not event.query():
-            event.synchronize()
-        array = self._arrays[i]
-        array[: values.size] = values
-        array[values.size :] = False
-        target.copy_(self._blocks[i], non_blocking=True)
-        event.record()
