@@ -1,0 +1,99 @@
+"""The group zeroing kernel (``zero_rows_all``) against a naive per-row reference, on CPU.
+
+The kernel runs in Triton's interpreter on CPU tensors, in a subprocess
+started with ``TRITON_INTERPRET=1``: the interpreter must be on before
+Triton's own library functions (``tl.cumsum``, ``tl.sum``) are defined, and
+this process imported Triton long before. ``tests/gpu/test_zero_rows_all.py``
+runs the kernel natively, captured and replayed. Chunks are made small here,
+so that a slot spans several of them (the last one ragged) and the fixed grid
+has fewer programs than work items. The caches hold random "previous owners'
+state": a slot may change only if its row is fresh and names a real
+(non-negative) slot, and then all of it becomes zero.
+"""
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from gdn_pass.vllm import zero_rows  # noqa: E402
+from gdn_pass.vllm.zero_rows import CacheTable, zero_rows_all  # noqa: E402
+
+NUM_SLOTS = 40
+RECURRENT_WORDS = 700  # 11 chunks of 64 words, the last one ragged
+# (max_rows, programs in the grid, share of rows fresh)
+CASES = [(1, 1, 1.0), (5, 3, 0.5), (16, 8, 0.0), (33, 3, 0.5), (33, 7, 1.0), (40, 2, 0.25)]
+
+
+def cpu_table(caches):
+    """``CacheTable.build`` accepts CUDA caches only; the same table, for CPU tensors."""
+    entries = [(c.data_ptr(), c.stride(0) * c.element_size() // 4, c[0].numel() * c.element_size() // 4)
+               for c in caches]
+    return CacheTable(caches, torch.tensor(entries, dtype=torch.int64), max(e[2] for e in entries))
+
+
+def check_case(max_rows: int, programs: int, share: float) -> list[str]:
+    """Three steps of one case; what went wrong (nothing: ``[]``). Run with the interpreter on."""
+    zero_rows._programs = lambda device: programs
+    zero_rows._CHUNK_WORDS = 64
+    rng = random.Random(max_rows * 100 + programs)
+    flat = torch.randn(NUM_SLOTS + 1, 3 * 40).to(torch.bfloat16)  # row 0: the memory before slot 0
+    conv = flat[1:].view(NUM_SLOTS, 3, 40).transpose(1, 2)  # vLLM's permuted dense conv slot
+    pool = torch.randn(NUM_SLOTS, RECURRENT_WORDS + 13)  # a recurrent slot inside a larger page
+    recurrent = pool[:, :RECURRENT_WORDS]
+    table = cpu_table([conv, recurrent])
+    errors = []
+    for step in range(3):
+        n = rng.randint(1, max_rows)
+        slots = rng.sample(range(NUM_SLOTS), n) + [-1] * (max_rows - n)
+        fresh = [i < n and rng.random() < share for i in range(max_rows)]
+        if step == 1 and n > 1:
+            slots[0], fresh[0] = -1, True  # vLLM's PAD_SLOT_ID on a fresh row: writes nothing
+        flat.copy_(torch.randn(flat.shape).to(torch.bfloat16))
+        pool.copy_(torch.randn(pool.shape))
+        old_flat, old_pool = flat.clone(), pool.clone()
+        zero_rows_all(table, torch.tensor(slots), torch.tensor(fresh))
+        zeroed = {s for s, f in zip(slots, fresh) if f and s >= 0}  # the reference, row by row
+        if not torch.equal(flat[0], old_flat[0]):
+            errors.append(f"step {step}: wrote the memory before slot 0")
+        for s in range(NUM_SLOTS):
+            if s in zeroed:
+                if not (conv[s].eq(0).all() and recurrent[s].eq(0).all()):
+                    errors.append(f"step {step}: fresh slot {s} not zeroed")
+                if not torch.equal(pool[s, RECURRENT_WORDS:], old_pool[s, RECURRENT_WORDS:]):
+                    errors.append(f"step {step}: wrote past slot {s}")
+            elif not (torch.equal(flat[s + 1], old_flat[s + 1]) and torch.equal(pool[s], old_pool[s])):
+                errors.append(f"step {step}: slot {s} changed, not fresh")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def interpreted_results():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rows{c[0]}-programs{c[1]}-fresh{c[2]}")
+def test_fresh_slots_of_every_cache_and_nothing_else(interpreted_results, case):
+    assert interpreted_results[json.dumps(case)] == []
+
+
+def test_fresh_and_slot_rows_must_agree(monkeypatch):
+    monkeypatch.setattr(zero_rows, "_multi_kernel", object())  # never launched
+    table = cpu_table([torch.zeros(4, 64)])
+    with pytest.raises(ValueError, match="fresh has 3 rows, slot 4"):
+        zero_rows_all(table, torch.zeros(4, dtype=torch.int64), torch.zeros(3, dtype=torch.bool))
+
+
+if __name__ == "__main__":  # the subprocess: every case, its errors as one JSON line
+    print(json.dumps({json.dumps(case): check_case(*case) for case in CASES}))
