@@ -84,16 +84,22 @@ def prepare_engine_process(model: str) -> list[str]:
             applied.append("olmo_hybrid fused conv1d loader (vllm#55858)")
     return applied
 
-# kind -> a substring of the error vLLM 0.30's CPU backend raises for it (found
-# in the failed engine's log). The e2e test skips with that error and fails on
-# any other; where the family has a core op, it is guarded directly with
-# poisoned slots instead (tests/vllm/test_family_op_guard_*.py).
-CPU_LIMITS: dict[str, str] = {
+# kind -> substrings of the errors vLLM 0.30's CPU backend raises for it (found
+# in the failed engine's log), one per host kind where they differ. The e2e test
+# skips with the error it finds and fails on any other; where the family has a
+# core op, it is guarded directly with poisoned slots instead
+# (tests/vllm/test_family_op_guard_*.py).
+# MLA makes the CPU platform turn prefix caching off after the hybrid config set
+# mamba_block_size; VllmConfig then rejects the combination.
+_MLA_WITHOUT_AMX = "--mamba-block-size can only be set with --enable-prefix-caching"
+# On hosts with AMX tiles vLLM takes its AMX MLA backend instead, which keeps
+# prefix caching; the engine then fails at weight loading, in the conv weight
+# packing vLLM's CPU backend does on such hosts (no float32 kernel).
+_MLA_WITH_AMX = "\"causal_conv1d_fwd_kernel_impl\" not implemented for 'Float'"
+CPU_LIMITS: dict[str, tuple[str, ...]] = {
     # OlmoHybridGatedDeltaNetAttention.__init__ calls set_triton_allocator
     # unconditionally; vLLM's CPU build has no Triton.
-    "olmo_hybrid": "module 'triton' has no attribute 'set_allocator'",
-    # MLA makes the CPU platform turn prefix caching off after the hybrid
-    # config set mamba_block_size; VllmConfig then rejects the combination.
-    "bailing_moe_v3": "--mamba-block-size can only be set with --enable-prefix-caching",
-    "kimi_linear": "--mamba-block-size can only be set with --enable-prefix-caching",
+    "olmo_hybrid": ("module 'triton' has no attribute 'set_allocator'",),
+    "bailing_moe_v3": (_MLA_WITHOUT_AMX, _MLA_WITH_AMX),
+    "kimi_linear": (_MLA_WITHOUT_AMX, _MLA_WITH_AMX),
 }
