@@ -284,4 +284,3 @@ class StagedRowMetadata:
             f"StagedRowMetadata(max_rows={self.max_rows}, device={self.device}, "
             f"pad_slot_ids={self.pad_slot_ids}, scratch_slot={self.scratch_slot})"
         )
-
