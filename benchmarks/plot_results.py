@@ -1,9 +1,18 @@
-"""One figure of the cost of the fix, from the recorded benchmark results.
+"""The figures of the cost of the fix, from the recorded benchmark results.
 
-Left: vLLM step latency on CPU relative to the unguarded 0.30 engine, for the
-pass and for vLLM 0.31's upstream fix (vllm_step_latency.json). Right: the
-op-level guard's time as a share of a 36-layer flash-linear-attention decode
-step on the H200, per layer and in one launch per step (step_guard_overhead.json).
+``cost_of_the_fix.png``. Left: vLLM step latency on CPU relative to the
+unguarded 0.30 engine, for the pass and for vLLM 0.31's upstream fix
+(vllm_step_latency.json). Right: the op-level guard's time as a share of a
+36-layer flash-linear-attention decode step on the H200, per layer and in one
+launch per step (step_guard_overhead.json).
+
+``engine_cost.png``: inside a real vLLM 0.26 engine on the H200 (Qwen3-Next-80B
+layer dimensions, 12 layers). Left: wall time per step relative to the
+unguarded engine, per batch size and count of fresh rows, for gdn-pass and the
+one-line alternative, and the stream's tokens/s in the title
+(engine_cost_gpu_run4.json + engine_cost_gpu_stream_run4.json: the run on the
+larger host). Right: GPU kernel time per step under torch.profiler, the same
+ratio (engine_cost_gpu_run5.json, engine_cost_gpu_run6.json).
 
     pip install matplotlib; python benchmarks/plot_results.py [--results benchmarks/results]
 """
@@ -64,6 +73,51 @@ def main() -> None:
     out = results / "cost_of_the_fix.png"
     fig.savefig(out, dpi=120)
     print(out)
+    print(plot_engine_cost(results, plt))
+
+
+def plot_engine_cost(results: Path, plt) -> Path:
+    steps = json.loads((results / "engine_cost_gpu_run4.json").read_text())
+    stream = json.loads((results / "engine_cost_gpu_stream_run4.json").read_text())["stream"]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[2.2, 1]))
+    labels = [r["case"].replace(" fresh=", "\n").replace("B=", "B=") + " fresh" for r in steps["rows"]]
+    xs = range(len(labels))
+    for offset, key, label in ((-0.2, "gdn-pass_ratio", "gdn-pass"), (0.2, "alternative_ratio", "one-line alternative")):
+        left.bar([x + offset for x in xs], [r[key] for r in steps["rows"]], 0.4, label=label)
+    left.axhline(1.0, color="black", lw=0.8)
+    left.axhline(1.02, color="red", ls="--", lw=0.8, label="+2% (target with fresh rows)")
+    left.set_yscale("log")
+    left.set_yticks([1, 1.1, 1.25, 1.5, 2, 3, 4, 6], ["1", "1.1", "1.25", "1.5", "2", "3", "4", "6"])
+    left.minorticks_off()
+    left.set_xticks(list(xs), labels, fontsize=7)
+    left.set_ylabel("wall time per step / unguarded")
+    left.set_title(f"vLLM 0.26, H200, 12 layers (run 4, before the zeroing grid; {steps['rounds']} rounds). "
+                   f"Stream: unguarded "
+                   f"{stream['unguarded_tokens_per_s']:.0f} tok/s, gdn-pass x{stream['gdn-pass_ratio']:.3f}, "
+                   f"alternative x{stream['alternative_ratio']:.3f}", fontsize=8)
+    left.legend(fontsize=8)
+
+    cases = []
+    for run in ("engine_cost_gpu_run5.json", "engine_cost_gpu_run6.json"):
+        for case, by_variant in json.loads((results / run).read_text()).get("profiles", {}).items():
+            base = by_variant["unguarded"]["gpu_kernel_us"]
+            cases.append((f"{case.replace(' fresh=', chr(10))} fresh\n({run.removeprefix('engine_cost_gpu_').removesuffix('.json')})",
+                          by_variant["gdn-pass"]["gpu_kernel_us"] / base,
+                          by_variant["alternative"]["gpu_kernel_us"] / base))
+    xs = range(len(cases))
+    right.bar([x - 0.2 for x in xs], [c[1] for c in cases], 0.4, label="gdn-pass")
+    right.bar([x + 0.2 for x in xs], [c[2] for c in cases], 0.4, label="one-line alternative")
+    right.axhline(1.0, color="black", lw=0.8)
+    right.set_ylim(0.9, 1.45)
+    right.set_xticks(list(xs), [c[0] for c in cases], fontsize=7)
+    right.set_ylabel("GPU kernel time per step / unguarded")
+    right.set_title("kernels only (torch.profiler, runs 5 and 6)", fontsize=8)
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    out = results / "engine_cost.png"
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
 
 
 if __name__ == "__main__":
