@@ -41,4 +41,3 @@ def test_fused_stage_on_cuda(monkeypatch, max_rows):
         assert staged(on_cuda) == expected
         assert staged(on_cpu) == expected
     assert len(launches) == 6
-
