@@ -36,7 +36,7 @@ CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:ca
 echo "cuda units exit $? | $(tail -1 "$OUT/cuda_units.log")"
 broken=/tmp/broken-guard
 rm -rf $broken && mkdir -p $broken && cp -r gdn_pass inductor_ext tests pyproject.toml $broken/
-sed -i 's/(rank == k + 1)/(rank == k)/' $broken/gdn_pass/vllm/zero_rows.py
+sed -i 's/(rank == k + 1)/(rank == k)/' $broken/gdn_pass/vllm/_zero_kernels.py
 (cd $broken && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$broken timeout 200 python3 -m pytest -q -p no:cacheprovider \
     tests/gpu/test_zero_rows_all.py \
     > "$OUT/cuda_units_broken.log" 2>&1)

@@ -27,13 +27,17 @@ programs (two per SM) that share the step's work, whatever it is::
 so a step with one fresh row spreads its slots (2 MiB per recurrent slot at
 Qwen3-Next's dimensions) over the whole GPU, and a step with none costs one
 wave of programs that read ``fresh`` and exit.
+
+``zero_new_rows_all`` is the same launch with ``fresh`` derived in the kernel
+from vLLM's own per-row lengths (a row whose tokens are all new), for steps
+whose rows read vLLM's ``non_spec_state_indices_tensor``: nothing to stage.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["zero_rows", "zero_rows_all", "CacheTable"]
+__all__ = ["zero_rows", "zero_rows_all", "zero_new_rows_all", "CacheTable"]
 
 _BLOCK = 1024
 # Programs per row: a row that is not fresh costs these many programs that
@@ -54,7 +58,7 @@ def zero_rows(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> N
     slots = slot[fresh]
     slots = slots[slots >= 0]  # a padding sentinel is never a slot to write
     if slots.numel():
-        cache.index_fill_(0, slots.to(cache.device), 0)
+        cache.index_fill_(0, slots.to(device=cache.device, dtype=torch.int64), 0)
 
 
 def _dense_slots(cache: torch.Tensor) -> bool:
@@ -166,37 +170,42 @@ def _programs(device: torch.device) -> int:
     return _programs_of[index]
 
 
-def _build_multi_kernel():
-    import triton
-    import triton.language as tl
+def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, num_rows: int, max_rows: int) -> None:
+    """``zero_rows_all`` with the fresh rows found on the device, from vLLM's own step metadata.
 
-    @triton.jit
-    def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, num_rows, num_caches, chunks, chunk_words,
-                            ROWS: tl.constexpr, BLOCK: tl.constexpr):
-        rows = tl.arange(0, ROWS)
-        flags = tl.load(fresh_ptr + rows, mask=rows < num_rows, other=0).to(tl.int32)
-        flags = (flags != 0).to(tl.int32)
-        # rank[r] = how many fresh rows come up to and including r; the k-th fresh row is the
-        # fresh row of rank k + 1.
-        rank = tl.cumsum(flags, 0)
-        items_per_row = num_caches * chunks
-        total = tl.sum(flags, 0) * items_per_row
-        for item in range(tl.program_id(0), total, tl.num_programs(0)):
-            k = item // items_per_row
-            rest = item - k * items_per_row
-            cache = rest // chunks
-            chunk = rest - cache * chunks
-            row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
-            slot = tl.load(slot_ptr + row).to(tl.int64)
-            numel = tl.load(table_ptr + cache * 3 + 2)
-            start = chunk.to(tl.int64) * chunk_words
-            if (slot >= 0) & (start < numel):  # -1: a padding sentinel; small caches have fewer chunks
-                base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
-                stride = tl.load(table_ptr + cache * 3 + 1)
-                end = tl.minimum(start + chunk_words, numel)
-                zeros = tl.zeros([BLOCK], dtype=tl.int32)
-                for offset in range(start, end, BLOCK):
-                    offs = offset + tl.arange(0, BLOCK)
-                    tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+    Row ``r < num_rows`` is fresh when it runs tokens and all of them are new::
 
-    return zero_fresh_rows_all
+        query_len[r] = query_start_loc[r + 1] - query_start_loc[r]
+        fresh[r]     = r < num_rows and 0 < query_len[r] == seq_lens[r]
+
+    ``slot``: ``[>= num_rows]`` integer, any stride (vLLM's ``non_spec_state_indices_tensor``),
+    ``query_start_loc``: ``[>= num_rows + 1]``, ``seq_lens``: ``[>= num_rows]``,
+    integers on the caches' device. Nothing is staged or copied: under FULL CUDA
+    graphs the captured launch reads vLLM's persistent buffers, which vLLM refreshes
+    before each replay (padding rows run no tokens). ``max_rows`` (at least
+    ``num_rows``) fixes the kernel's row block, so that steps of any size share
+    one compiled kernel.
+    """
+    global _new_rows_kernel
+    if _new_rows_kernel is None:
+        _new_rows_kernel = _build_multi_kernel(from_lengths=True)
+    if (slot.dim(), query_start_loc.dim(), seq_lens.dim()) != (1, 1, 1) or not 0 <= num_rows <= min(
+            max_rows, slot.numel(), seq_lens.numel(), query_start_loc.numel() - 1):
+        raise ValueError(
+            f"{num_rows} rows do not fit max_rows={max_rows} and slot {tuple(slot.shape)}, "
+            f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)} (1-D each)")
+    chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
+    _new_rows_kernel[(_programs(slot.device),)](
+        table.table, slot, slot.stride(0), query_start_loc, seq_lens, num_rows, table.table.shape[0], chunks, _CHUNK_WORDS,
+        ROWS=max(16, 1 << (max_rows - 1).bit_length()), BLOCK=_BLOCK)
+
+
+_new_rows_kernel = None
+
+
+def _build_multi_kernel(from_lengths: bool = False):
+    # Triton is imported only when a CUDA step first zeroes (CPU engines may lack it).
+    from gdn_pass.vllm import _zero_kernels
+
+    return _zero_kernels.zero_new_rows_all if from_lengths else _zero_kernels.zero_fresh_rows_all

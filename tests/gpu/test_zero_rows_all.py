@@ -158,3 +158,49 @@ def test_slots_larger_than_a_chunk_and_more_work_than_programs(captured):
         assert conv[zeroed].eq(0).all() and ssm[zeroed].eq(0).all(), step
         assert torch.equal(pool[zeroed][:, words:], pool0[zeroed][:, words:]), "wrote past the slot"
         assert torch.equal(conv[~zeroed], conv0[~zeroed]) and torch.equal(pool[~zeroed], pool0[~zeroed]), step
+
+
+@pytest.mark.parametrize("graph_rows", [1, 8, MAX_ROWS])
+def test_captured_launch_finds_new_rows_in_vllms_persistent_buffers(graph_rows):
+    """``zero_new_rows_all`` as under vLLM's FULL decode graphs: captured once for a
+    batch of ``graph_rows`` decodes, reading the builder's persistent slot buffer and
+    the runner's ``query_start_loc`` / ``seq_lens``, which each step refreshes in
+    place (rows past the step's requests padded: no tokens, slot 0). Each replay
+    zeroes exactly the slots of the rows whose one token is their first."""
+    from gdn_pass.vllm.zero_rows import zero_new_rows_all
+
+    layers = [layer_caches() for _ in range(LAYERS)]
+    table = CacheTable.build([t for conv, ssm, _ in layers for t in (conv, ssm)])
+    slots_buf = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    starts_buf = torch.zeros(MAX_ROWS + 1, dtype=torch.int32, device="cuda")
+    seq_lens_buf = torch.zeros(MAX_ROWS, dtype=torch.int32, device="cuda")
+    args = (table, slots_buf[:graph_rows], starts_buf[: graph_rows + 1], seq_lens_buf[:graph_rows], graph_rows, MAX_ROWS)
+    zero_new_rows_all(*args)  # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        zero_new_rows_all(*args)
+    rng = random.Random(graph_rows)
+    for step in range(20):
+        n = rng.randint(1, graph_rows)
+        slots = rng.sample(range(1, NUM_SLOTS), n) + [0] * (graph_rows - n)
+        new = [r < n and rng.random() < 0.4 for r in range(graph_rows)]
+        seq_lens = [(1 if new[r] else rng.randint(2, 99)) if r < n else 0 for r in range(graph_rows)]
+        starts = [min(r, n) for r in range(graph_rows + 1)]
+        slots_buf[:graph_rows].copy_(torch.tensor(slots, dtype=torch.int32))
+        starts_buf[: graph_rows + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        seq_lens_buf[:graph_rows].copy_(torch.tensor(seq_lens, dtype=torch.int32))
+        for conv, _, pool in layers:
+            conv.copy_(torch.randn_like(conv.float()).to(conv.dtype))
+            pool.copy_(torch.randn_like(pool))
+        before = [(conv.clone(), pool.clone()) for conv, _, pool in layers]
+        graph.replay()
+        torch.cuda.synchronize()
+        zeroed = {s for s, f in zip(slots, new) if f}
+        for (conv, ssm, pool), (conv0, pool0) in zip(layers, before):
+            for s in range(NUM_SLOTS):
+                if s in zeroed:
+                    assert conv[s].eq(0).all() and ssm[s].eq(0).all(), (step, s)
+                    assert torch.equal(pool[s, 4 * 32 * 32:], pool0[s, 4 * 32 * 32:]), "wrote past the slot"
+                else:
+                    assert torch.equal(conv[s], conv0[s]) and torch.equal(pool[s], pool0[s]), (step, s)

@@ -1,4 +1,4 @@
-"""The group zeroing kernel (``zero_rows_all``) against a naive per-row reference, on CPU.
+"""The group zeroing kernels (``zero_rows_all``, ``zero_new_rows_all``) against a naive per-row reference, on CPU.
 
 The kernel runs in Triton's interpreter on CPU tensors, in a subprocess
 started with ``TRITON_INTERPRET=1``: the interpreter must be on before
@@ -8,7 +8,10 @@ runs the kernel natively, captured and replayed. Chunks are made small here,
 so that a slot spans several of them (the last one ragged) and the fixed grid
 has fewer programs than work items. The caches hold random "previous owners'
 state": a slot may change only if its row is fresh and names a real
-(non-negative) slot, and then all of it becomes zero.
+(non-negative) slot, and then all of it becomes zero. For ``zero_new_rows_all``
+a row is fresh when it is one of the first ``num_rows`` and runs tokens, all of
+them new (``seq_len == query_len``), with its slot read from a column of a
+block table (vLLM's ``non_spec_state_indices_tensor`` outside FULL graphs).
 """
 
 import json
@@ -24,7 +27,7 @@ import torch
 pytest.importorskip("triton")
 
 from gdn_pass.vllm import zero_rows  # noqa: E402
-from gdn_pass.vllm.zero_rows import CacheTable, zero_rows_all  # noqa: E402
+from gdn_pass.vllm.zero_rows import CacheTable, zero_new_rows_all, zero_rows_all  # noqa: E402
 
 NUM_SLOTS = 40
 RECURRENT_WORDS = 700  # 11 chunks of 64 words, the last one ragged
@@ -74,6 +77,46 @@ def check_case(max_rows: int, programs: int, share: float) -> list[str]:
     return errors
 
 
+def check_new_rows_case(max_rows: int, programs: int, share: float) -> list[str]:
+    """``zero_new_rows_all``: three steps of one case; what went wrong. Run with the interpreter on."""
+    zero_rows._programs = lambda device: programs
+    zero_rows._CHUNK_WORDS = 64
+    rng = random.Random(max_rows * 1000 + programs)
+    pool = torch.randn(NUM_SLOTS + 1, RECURRENT_WORDS + 13)  # row 0: the memory before slot 0
+    recurrent = pool[1:, :RECURRENT_WORDS]
+    table = cpu_table([recurrent])
+    errors = []
+    for step in range(3):
+        padded = rng.randint(1, max_rows)  # the step's rows, padding included
+        real = rng.randint(0, padded)  # padding rows run no tokens
+        decodes = rng.randint(0, real)  # the rows on the decode path come first
+        slots = rng.sample(range(NUM_SLOTS), padded)
+        query_lens = [rng.choice([1, 1, 1, 3]) if r < real else 0 for r in range(padded)]
+        new = [r < real and rng.random() < share for r in range(padded)]  # no token computed before
+        seq_lens = [q if n else q + rng.randint(1, 50) for q, n in zip(query_lens, new)]
+        if step == 1 and decodes:
+            slots[0], new[0], seq_lens[0] = -1, True, query_lens[0]  # a new row naming PAD_SLOT_ID
+        block_table = torch.tensor([[s, 7, 7] for s in slots], dtype=torch.int32)
+        starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        pool.copy_(torch.randn(pool.shape))
+        old = pool.clone()
+        zero_new_rows_all(table, block_table[:, 0], starts, torch.tensor(seq_lens, dtype=torch.int32),
+                          decodes, max_rows)
+        zeroed = {s for r, s in enumerate(slots)
+                  if r < decodes and query_lens[r] > 0 and seq_lens[r] == query_lens[r] and s >= 0}
+        if not torch.equal(pool[0], old[0]):
+            errors.append(f"step {step}: wrote the memory before slot 0")
+        for s in range(NUM_SLOTS):
+            if s in zeroed:
+                if not recurrent[s].eq(0).all():
+                    errors.append(f"step {step}: new row's slot {s} not zeroed")
+                if not torch.equal(pool[s + 1, RECURRENT_WORDS:], old[s + 1, RECURRENT_WORDS:]):
+                    errors.append(f"step {step}: wrote past slot {s}")
+            elif not torch.equal(pool[s + 1], old[s + 1]):
+                errors.append(f"step {step}: slot {s} changed, not a new decode row")
+    return errors
+
+
 @pytest.fixture(scope="module")
 def interpreted_results():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
@@ -88,6 +131,18 @@ def test_fresh_slots_of_every_cache_and_nothing_else(interpreted_results, case):
     assert interpreted_results[json.dumps(case)] == []
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rows{c[0]}-programs{c[1]}-new{c[2]}")
+def test_new_decode_rows_found_in_vllms_lengths(interpreted_results, case):
+    assert interpreted_results["new " + json.dumps(case)] == []
+
+
+def test_new_rows_must_fit_the_row_block():
+    table = cpu_table([torch.zeros(4, 64)])
+    starts, lens = torch.zeros(6, dtype=torch.int32), torch.ones(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="5 rows do not fit max_rows=4"):
+        zero_new_rows_all(table, torch.zeros(5, dtype=torch.int32), starts, lens, 5, 4)
+
+
 def test_fresh_and_slot_rows_must_agree(monkeypatch):
     monkeypatch.setattr(zero_rows, "_multi_kernel", object())  # never launched
     table = cpu_table([torch.zeros(4, 64)])
@@ -96,4 +151,6 @@ def test_fresh_and_slot_rows_must_agree(monkeypatch):
 
 
 if __name__ == "__main__":  # the subprocess: every case, its errors as one JSON line
-    print(json.dumps({json.dumps(case): check_case(*case) for case in CASES}))
+    results = {json.dumps(case): check_case(*case) for case in CASES}
+    results.update({"new " + json.dumps(case): check_new_rows_case(*case) for case in CASES})
+    print(json.dumps(results))

@@ -1,0 +1,56 @@
+"""The Triton kernels of ``zero_rows_all`` and ``zero_new_rows_all`` (imported on first use)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def zero_chunks(table_ptr, slot_ptr, slot_stride, rows, flags, num_caches, chunks, chunk_words,
+                BLOCK: tl.constexpr):
+    """This program's share of every (fresh row, cache, chunk) work item; ``flags``: ``[ROWS]`` int32 0/1."""
+    # rank[r] = how many fresh rows come up to and including r; the k-th fresh row is the
+    # fresh row of rank k + 1.
+    rank = tl.cumsum(flags, 0)
+    items_per_row = num_caches * chunks
+    total = tl.sum(flags, 0) * items_per_row
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        k = item // items_per_row
+        rest = item - k * items_per_row
+        cache = rest // chunks
+        chunk = rest - cache * chunks
+        row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
+        slot = tl.load(slot_ptr + row * slot_stride).to(tl.int64)
+        numel = tl.load(table_ptr + cache * 3 + 2)
+        start = chunk.to(tl.int64) * chunk_words
+        if (slot >= 0) & (start < numel):  # -1: a padding sentinel; small caches have fewer chunks
+            base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
+            stride = tl.load(table_ptr + cache * 3 + 1)
+            end = tl.minimum(start + chunk_words, numel)
+            zeros = tl.zeros([BLOCK], dtype=tl.int32)
+            for offset in range(start, end, BLOCK):
+                offs = offset + tl.arange(0, BLOCK)
+                tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+
+
+@triton.jit
+def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, num_rows, num_caches, chunks, chunk_words,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    flags = tl.load(fresh_ptr + rows, mask=rows < num_rows, other=0)
+    flags = (flags != 0).to(tl.int32)
+    zero_chunks(table_ptr, slot_ptr, 1, rows, flags, num_caches, chunks, chunk_words, BLOCK)
+
+
+# Row counts and the slot stride vary from step to step: one compiled kernel for all of them.
+@triton.jit(do_not_specialize=["slot_stride", "num_rows"])
+def zero_new_rows_all(table_ptr, slot_ptr, slot_stride, query_start_ptr, seq_lens_ptr, num_rows, num_caches,
+                      chunks, chunk_words, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    inside = rows < num_rows
+    starts = tl.load(query_start_ptr + rows, mask=inside, other=0)
+    ends = tl.load(query_start_ptr + rows + 1, mask=inside, other=0)
+    seq_lens = tl.load(seq_lens_ptr + rows, mask=inside, other=0)
+    query_lens = ends - starts
+    # A row whose tokens are all new this step: it has no state before them.
+    flags = (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
+    zero_chunks(table_ptr, slot_ptr, slot_stride, rows, flags, num_caches, chunks, chunk_words, BLOCK)
