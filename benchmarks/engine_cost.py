@@ -100,8 +100,9 @@ def write_model(dims: str, layers: int, out: Path) -> Path:
 class HookClock:
     """Host time inside gdn-pass's metadata hook, by wrapping what its build wrapper calls.
 
-    ``seconds`` sums the functions the build wrapper calls (``stage_fresh`` on
-    steps with a row to zero, ``stage_no_fresh`` on the others); a label
+    ``seconds`` sums the functions the build wrapper calls (``decode_rows`` on
+    CUDA steps without speculative rows, which stage nothing; otherwise
+    ``stage_fresh`` on steps with a row to zero, ``stage_no_fresh`` on the others); a label
     ``a/b`` times a part of ``a`` (the flags copy inside ``stage_fresh``).
     """
 
@@ -118,7 +119,8 @@ class HookClock:
                                    (metadata_hook, "_owner", "_owner"),
                                    (metadata_hook, "_group_state", "_group_state"),
                                    (step_guard, "zero_group", "zero_group"),
-                                   (compat, "step_inputs", "step_inputs")):
+                                   (compat, "step_inputs", "step_inputs"),
+                                   (compat, "decode_rows", "decode_rows")):
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
     def _timed(self, fn, name: str):

@@ -14,8 +14,11 @@ vLLM's own build), interleaved, and reports the difference per build:
                          the hook never waits for the stream, near 2000 when
                          it does
 
-On a step with a row to zero the hook copies one host array of flags and the
-rows' slots (``StagedRowMetadata.stage_fresh``); with none it copies nothing.
+On CUDA steps without speculative rows (all of these) the hook stages nothing:
+the zeroing launch reads the new rows from vLLM's own tensors
+(``compat.decode_rows``). Each fresh case is also timed with that switched off
+(``staged``): the hook then copies one host array of flags and the rows' slots
+(``StagedRowMetadata.stage_fresh``), as it still does on speculative steps.
 
     python benchmarks/hook_host_time.py [--batches 1 8 64 256] [--repeat 400] [--out DIR]
 """
@@ -85,6 +88,15 @@ def common_step(batch: int, fresh: int, device: torch.device):
         seq_lens_cpu_upper_bound=seq_lens.clone())
 
 
+def staged_only(on: bool) -> None:
+    """Switch the hook to staging the rows itself (as on speculative steps), or back."""
+    from gdn_pass.vllm import compat
+
+    if not hasattr(compat, "_decode_rows_original"):
+        compat._decode_rows_original = compat.decode_rows
+    compat.decode_rows = (lambda common, metadata: None) if on else compat._decode_rows_original
+
+
 def time_builds(builder, step, repeat: int, sync) -> tuple[float, float]:
     """Median us per build: (with the hook, vLLM's build alone), interleaved in blocks of 20."""
     hooked, plain = [], []
@@ -129,23 +141,27 @@ def main():
             if fresh > batch:
                 continue
             step = common_step(batch, fresh, device)
-            for _ in range(50):  # warm-up: caches, allocator
-                builder.build(0, step)
-            sync()
-            with_hook, alone = time_builds(builder, step, args.repeat, sync)
-            row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
-            if cuda and fresh:
-                row["busy_us"] = round(busy_build_us(builder, step), 1)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            for mode in ("vllm tensors", "staged") if cuda and fresh else ("vllm tensors" if cuda else "staged",):
+                staged_only(mode == "staged")
+                for _ in range(50):  # warm-up: caches, allocator
+                    builder.build(0, step)
+                sync()
+                with_hook, alone = time_builds(builder, step, args.repeat, sync)
+                row = dict(batch=batch, fresh=fresh, mode=mode, vllm_us=round(alone, 1),
+                           hook_us=round(with_hook - alone, 1))
+                if cuda and fresh:
+                    row["busy_us"] = round(busy_build_us(builder, step), 1)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            staged_only(False)
     import vllm
 
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]),
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows)
-    table = ["| B | fresh | vLLM build us | hook us per build | one build behind 2 ms of GPU work, us |",
-             "|---|---|---|---|---|"]
-    table += [f"| {r['batch']} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
+    table = ["| B | fresh | new rows from | vLLM build us | hook us per build | one build behind 2 ms of GPU work, us |",
+             "|---|---|---|---|---|---|"]
+    table += [f"| {r['batch']} | {r['fresh']} | {r['mode']} | {r['vllm_us']} | {r['hook_us']} | "
               f"{r.get('busy_us', '')} |" for r in rows]
     print("\n".join(table))
     if args.out:

@@ -239,6 +239,45 @@ def num_computed_tokens(common, query_lens: np.ndarray) -> np.ndarray:
     return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeRows:
+    """A step's decode rows as vLLM's own device tensors say them (``zero_rows.zero_new_rows_all``).
+
+    ``slots``: the builder's ``non_spec_state_indices_tensor`` (what the decode
+    kernels read); ``query_start_loc``: its ``non_spec_query_start_loc``;
+    ``seq_lens``: the scheduler's ``common_attn_metadata.seq_lens``; the first
+    ``num_rows`` (``num_decodes``) rows run the decode path. Under FULL CUDA
+    graphs all three are vLLM's persistent buffers, refreshed before each replay.
+    """
+
+    slots: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_rows: int
+
+
+def decode_rows(common, metadata) -> DecodeRows | None:
+    """The step's ``DecodeRows``, or None where they cannot say which rows are new.
+
+    None on steps with speculative rows (their fresh rows need the host's
+    view, ``metadata_hook.host_rows``) and where a field is missing or shaped
+    otherwise than vLLM 0.26-0.31 build it: the caller then stages the rows.
+    """
+    if getattr(metadata, "spec_sequence_masks", None) is not None:
+        return None
+    slots = getattr(metadata, "non_spec_state_indices_tensor", None)
+    starts = getattr(metadata, "non_spec_query_start_loc", None)
+    seq_lens = getattr(common, "seq_lens", None)
+    tensors = (slots, starts, seq_lens)
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point
+               and t.dtype != torch.bool and t.device == slots.device for t in tensors):
+        return None
+    num_rows = int(getattr(metadata, "num_decodes", -1))
+    if not 0 <= num_rows <= min(slots.numel(), seq_lens.numel(), starts.numel() - 1):
+        return None
+    return DecodeRows(slots, starts, seq_lens, num_rows)
+
+
 # --- GDN/KDA core ops -----------------------------------------------------------
 
 

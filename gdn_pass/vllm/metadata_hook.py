@@ -16,7 +16,11 @@ built metadata, where the guarded ops find them. Only what the guards read
 is staged: on a step with a row to zero, its flag and slot
 (``StagedRowMetadata.stage_fresh``: two copies, no kernel); on the others,
 nothing (``stage_no_fresh``: ``fresh`` cleared once after a step that had
-fresh rows). Where no guarded op covers
+fresh rows). On CUDA steps without speculative rows nothing is staged at
+all: the guards' one zeroing launch finds the new decode rows itself in
+vLLM's own device tensors (``compat.DecodeRows``: a row whose
+``seq_len`` equals its query length), and the host only counts them, so that
+an eager step with none launches nothing. Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
 hook zeroes the fresh slots itself right after the build (``step_guard``).
 """
@@ -31,7 +35,7 @@ import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat, step_guard
-from gdn_pass.vllm.state_guard import CACHES_ATTR, HOST_FRESH_ATTR, ROWS_ATTR
+from gdn_pass.vllm.state_guard import CACHES_ATTR, DECODE_ROWS_ATTR, HOST_FRESH_ATTR, ROWS_ATTR
 from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["HostRows", "host_rows", "install", "is_installed", "stage_rows"]
@@ -79,15 +83,23 @@ def install() -> bool:
             rows = self.__dict__[_BUILDER_ROWS] = _new_rows(self, context)
         step = host_rows(common, metadata, draft_counts)
         fresh = step.fresh
-        if fresh:  # only what the guards read: the rows to zero and their slots
+        step_owned = _owner(self, context) is step_guard.Owner.STEP
+        caches, table = _group_state(self, context)
+        decode = None
+        if table is not None and not step_owned:
+            decode = compat.decode_rows(common, metadata)
+            if decode is not None and decode.num_rows > rows.max_rows:
+                decode = None
+        if decode is not None:  # the zeroing launch finds the new rows in vLLM's tensors
+            pass
+        elif fresh:  # only what the guards read: the rows to zero and their slots
             step.stage_fresh(rows)
         else:  # most steps: nothing to zero
             rows.stage_no_fresh(step.num_rows)
-        step_owned = _owner(self, context) is step_guard.Owner.STEP
-        caches, table = _group_state(self, context)
         setattr(metadata, ROWS_ATTR, rows)
         setattr(metadata, CACHES_ATTR, table)
         setattr(metadata, HOST_FRESH_ATTR, fresh)
+        setattr(metadata, DECODE_ROWS_ATTR, decode)
         if step_owned:
             step_guard.zero_group(caches, table, rows, fresh)
             setattr(metadata, step_guard.ZEROED_ATTR, True)

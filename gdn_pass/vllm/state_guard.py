@@ -8,6 +8,10 @@ forward context, exactly as the original op finds its caches.
     for cache in layer.kv_cache:          # conv state, recurrent state, ...
         cache[rows.state_slot[fresh]] = 0     # on CUDA: sync-free Triton, capturable
 
+    # CUDA steps without speculative rows: nothing staged, vLLM's own tensors say it
+    fresh[r] = r < num_decodes and 0 < query_len[r] == seq_lens[r]
+    slot[r]  = metadata.non_spec_state_indices_tensor[r]
+
 A step whose metadata says no row is fresh (the host's count) launches
 nothing, except inside CUDA-graph capture. On CUDA the first guarded layer
 of a step zeroes the fresh slots of every GDN layer that shares its
@@ -21,10 +25,11 @@ from __future__ import annotations
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm.compat import DecodeRows
 from gdn_pass.vllm.step_guard import ZEROED_ATTR, note_twin_layer
-from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all
+from gdn_pass.vllm.zero_rows import CacheTable, zero_new_rows_all, zero_rows, zero_rows_all
 
-__all__ = ["ROWS_ATTR", "CACHES_ATTR", "HOST_FRESH_ATTR", "GuardError", "zero_fresh_state"]
+__all__ = ["ROWS_ATTR", "CACHES_ATTR", "HOST_FRESH_ATTR", "DECODE_ROWS_ATTR", "GuardError", "zero_fresh_state"]
 
 # Attribute under which the metadata hook attaches the staged rows to the
 # layer's GDNAttentionMetadata for the step.
@@ -36,6 +41,10 @@ CACHES_ATTR = "gdn_pass_caches"
 # with none, an eager twin launches nothing. Inside CUDA-graph
 # capture it launches anyway, so the replayed graph zeroes later steps' rows.
 HOST_FRESH_ATTR = "gdn_pass_host_fresh"
+# The step's ``compat.DecodeRows`` where the zeroing launch finds the fresh rows
+# in vLLM's own tensors (CUDA, no speculative rows): ``ROWS_ATTR``'s rows are
+# then not staged for the step. None otherwise.
+DECODE_ROWS_ATTR = "gdn_pass_decode_rows"
 _DONE_ATTR = "_gdn_pass_zeroed"
 
 
@@ -73,17 +82,31 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     if getattr(metadata, HOST_FRESH_ATTR, None) == 0 and not _capturing():
         return
-    fresh = rows.fresh_rows()
+    decode: DecodeRows | None = getattr(metadata, DECODE_ROWS_ATTR, None)
     table: CacheTable | None = getattr(metadata, CACHES_ATTR, None)
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
         # One launch zeroes every GDN layer of this metadata's group; the
         # group's other layers find it done (the metadata object is per step).
         if not getattr(metadata, _DONE_ATTR, False):
-            zero_rows_all(table, rows.state_slot, fresh)
+            if decode is not None:
+                zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens,
+                                  decode.num_rows, rows.max_rows)
+            else:
+                zero_rows_all(table, rows.state_slot, rows.fresh_rows())
             setattr(metadata, _DONE_ATTR, True)
         return
+    slots, fresh = (rows.state_slot, rows.fresh_rows()) if decode is None else _new_decode_rows(decode)
     for cache in layer.kv_cache:
-        zero_rows(cache, rows.state_slot, fresh)
+        zero_rows(cache, slots, fresh)
+
+
+def _new_decode_rows(decode: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' slots and which of them are new, as device tensors (no sync, capturable)."""
+    n = decode.num_rows
+    starts = decode.query_start_loc
+    query_lens = starts[1 : n + 1] - starts[:n]
+    # zero_rows reads the slots densely; vLLM's are a column of the block table outside FULL graphs.
+    return decode.slots[:n].contiguous(), (query_lens > 0) & (decode.seq_lens[:n] == query_lens)
 
 
 def _capturing() -> bool:

@@ -121,3 +121,28 @@ def test_pad_slot_ids_are_this_vllms():
 def test_inductor_pass_base_is_vllms():
     base = compat.inductor_pass_base()
     assert base.__name__ == "InductorPass" and base.__module__.startswith("vllm.compilation")
+
+
+def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
+    """``decode_rows`` hands the zeroing launch vLLM's tensors only on steps without
+    speculative rows whose fields have the shapes vLLM 0.26-0.31 build; otherwise
+    None, and the metadata hook stages the rows itself."""
+    from types import SimpleNamespace
+
+    import torch
+
+    common = SimpleNamespace(seq_lens=torch.tensor([5, 1, 0], dtype=torch.int32))
+
+    def metadata(**fields):
+        base = dict(spec_sequence_masks=None, num_decodes=2,
+                    non_spec_state_indices_tensor=torch.tensor([[4, 0], [6, 0], [0, 0]], dtype=torch.int32)[:, 0],
+                    non_spec_query_start_loc=torch.tensor([0, 1, 2, 2], dtype=torch.int32))
+        return SimpleNamespace(**{**base, **fields})
+
+    rows = compat.decode_rows(common, metadata())
+    assert rows is not None and rows.num_rows == 2 and rows.slots.tolist() == [4, 6, 0]
+    assert compat.decode_rows(common, metadata(spec_sequence_masks=torch.tensor([True, False, False]))) is None
+    assert compat.decode_rows(common, metadata(non_spec_state_indices_tensor=None)) is None
+    assert compat.decode_rows(common, metadata(num_decodes=4)) is None  # more rows than lengths
+    assert compat.decode_rows(SimpleNamespace(), metadata()) is None
+    assert compat.decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(3, 2, dtype=torch.int32))) is None

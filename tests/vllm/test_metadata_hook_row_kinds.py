@@ -60,7 +60,7 @@ import pytest
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import compat, metadata_hook, step_guard
+from gdn_pass.vllm import compat, metadata_hook, state_guard, step_guard
 from gdn_pass.vllm.state_guard import ROWS_ATTR
 from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder
 
@@ -160,6 +160,7 @@ def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool
     rows = getattr(metadata, ROWS_ATTR)
     full = StagedRowMetadata(rows.max_rows, pad_slot_ids=compat.pad_slot_ids())
     metadata_hook.stage_rows(full, common, metadata, kwargs.get("num_decode_draft_tokens_cpu"))
+    metadata.test_common = common  # for check_step's look at vLLM's own device lengths
     return metadata, rows, full, caches
 
 
@@ -365,6 +366,14 @@ def check_step(reqs, cache_mode, metadata, rows, full, caches):
     # read them, in every cache: a restored row's state (a prefix hit's copied
     # state included) and a fresh prefill's recycled slot are untouched.
     assert zeroed_slots(caches) == [fresh] * len(caches)
+    # On CUDA steps without speculative rows the zeroing launch finds the rows in
+    # vLLM's own tensors instead (compat.DecodeRows): they name the same slots.
+    decode = compat.decode_rows(metadata.test_common, metadata)
+    if any(r.drafts >= 0 for r in reqs):
+        assert decode is None
+    else:
+        slots, new_rows = state_guard._new_decode_rows(decode)
+        assert set(slots[new_rows].tolist()) == fresh
 
 
 @pytest.mark.parametrize("like_0_26", [True, False])

@@ -117,3 +117,38 @@ def test_a_fresh_row_naming_the_padding_slot_writes_nothing(monkeypatch):
     ssm = layer.kv_cache[1]
     assert ssm[4].eq(0).all()
     assert ssm[NUM_SLOTS - 1].eq(6.0).all()
+
+
+def test_steps_without_speculative_rows_read_the_new_rows_from_vllms_tensors(monkeypatch):
+    """With ``compat.DecodeRows`` attached (CUDA steps without speculative rows) the
+    staged rows are not read: the group launch gets vLLM's own tensors, and a layer
+    outside the table zeroes exactly the new decode rows (``seq_len == query_len``)
+    of the first ``num_rows``, its slots a column of a block table."""
+    from gdn_pass.vllm import state_guard
+    from gdn_pass.vllm.compat import DecodeRows
+
+    grouped, alone = poisoned_layer(), poisoned_layer()
+    alone.prefix = "model.layers.1.linear_attn"
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))  # never staged: its fresh flags are all False
+    # rows: restored decode on 3, new decode on 5, new decode on PAD_SLOT_ID, new prefill on 9
+    # (past num_rows), padding on 2
+    block_table = torch.tensor([[3, 1], [5, 1], [-1, 1], [9, 1], [2, 1]], dtype=torch.int32)
+    decode = DecodeRows(slots=block_table[:, 0], query_start_loc=torch.tensor([0, 1, 2, 3, 7, 7], dtype=torch.int32),
+                        seq_lens=torch.tensor([8, 1, 1, 4, 0], dtype=torch.int32), num_rows=3)
+    table = SimpleNamespace(addresses=frozenset(t.data_ptr() for t in grouped.kv_cache))
+    calls = []
+    monkeypatch.setattr(state_guard, "zero_new_rows_all", lambda *args: calls.append(args))
+    monkeypatch.setattr(state_guard, "zero_rows_all", lambda *args: pytest.fail("staged rows read"))
+    metadata = SimpleNamespace(**{ROWS_ATTR: rows, state_guard.CACHES_ATTR: table,
+                                  state_guard.DECODE_ROWS_ATTR: decode, state_guard.HOST_FRESH_ATTR: 1})
+    context = SimpleNamespace(no_compile_layers={grouped.prefix: grouped, alone.prefix: alone},
+                              attn_metadata={grouped.prefix: metadata, alone.prefix: metadata})
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    zero_fresh_state(grouped.prefix)
+    assert len(calls) == 1
+    assert calls[0][1:] == (decode.slots, decode.query_start_loc, decode.seq_lens, 3, 8)
+    zero_fresh_state(alone.prefix)
+    for cache in alone.kv_cache:
+        assert cache[5].nan_to_num(1.0).eq(0).all()
+        untouched = [s for s in range(NUM_SLOTS) if s != 5]
+        assert not cache[untouched].nan_to_num(1.0).eq(0).any()
