@@ -6,6 +6,9 @@ all three alike:
 
     unguarded    vLLM as is: wrong on fresh rows (vllm#51562), the floor
     gdn-pass     GDNStatePass in the compilation config
+    fused        (--fused) gdn-pass, with vLLM 0.26's decode fast path run by the
+                 project's gated decode kernels (``benchmarks/fused_decode.py``):
+                 fresh rows load no state, and those steps have no zeroing launch
     alternative  the bug report's one line: the GDN builder splits its batch
                  with ``split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)``,
                  so fresh one-token rows take the prefill path, as upstream's fix does;
@@ -63,7 +66,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("unguarded", "gdn-pass", "alternative")
-ENGINE_OF = {"unguarded": "plain", "alternative": "plain", "one-line-only": "plain", "gdn-pass": "gdn-pass"}
+# --fused adds the fused alternative (benchmarks/fused_decode.py), in an engine of its own:
+# it changes what vLLM captures in its CUDA graphs, so it cannot be switched in a running engine.
+FUSED = "fused"
+ENGINE_OF = {"unguarded": "plain", "alternative": "plain", "one-line-only": "plain", "gdn-pass": "gdn-pass",
+             FUSED: FUSED}
 WORKER_EXTENSION = "benchmarks.engine_cost_worker.BenchWorker"
 # the plain engine's switches per variant (engine_cost_worker.BenchWorker.alternative_set)
 SWITCHES = {"unguarded": dict(split=False, runner=False), "alternative": dict(split=True, runner=True),
@@ -150,7 +157,8 @@ class Engine:
     def __init__(self, spec: dict):
         from gdn_pass.examples.vllm_scenarios import make_llm
 
-        self.guarded = spec["engine"] == "gdn-pass"
+        self.name = spec["engine"]
+        self.guarded = self.name in ("gdn-pass", FUSED)
         args = dict(spec["engine_args"], worker_extension_cls=WORKER_EXTENSION)
         # the hook runs in this process only without tensor parallelism
         in_process = args.get("tensor_parallel_size", 1) == 1
@@ -173,8 +181,10 @@ class Engine:
 
     def variant(self, name: str) -> dict:
         """Run as ``name`` from now on (the plain engine switches the alternative in every worker)."""
-        if self.guarded != (name == "gdn-pass"):
-            raise RuntimeError(f"variant {name} does not run in this engine")
+        if ENGINE_OF[name] != self.name:
+            raise RuntimeError(f"variant {name} does not run in the {self.name} engine")
+        if self.name == FUSED and not all(self.llm.collective_rpc("fused_installed")):
+            raise RuntimeError("the fused decode path is not installed in every worker")
         if not self.guarded and not all(self.llm.collective_rpc("alternative_set", kwargs=SWITCHES[name])):
             raise RuntimeError("the alternative's split is not wrapped in every worker")
         return {}
@@ -377,21 +387,23 @@ def run(args, save=lambda result: None) -> dict:
                               **(dict(VLLM_USE_FLASHINFER_SAMPLER="0", NCCL_NVLS_ENABLE="0",
                                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                                       VLLM_ALLREDUCE_USE_SYMM_MEM="0") if args.gpu else {})))
-             for e in ("plain", "gdn-pass")}
+             for e in ("plain", "gdn-pass", *((FUSED,) if args.fused else ()))}
+    if args.fused:
+        specs[FUSED]["env"]["GDN_PASS_BENCH_FUSED"] = "1"
+    variants = VARIANTS + ((FUSED,) if args.fused else ())
     engines = _start(specs)
     start_s = time.time() - started
     print(f"engines started in {start_s:.0f} s", file=sys.stderr, flush=True)
-    checks = {v: _ask(engines, v, op="fresh_row_check") for v in (*VARIANTS, "one-line-only")}
+    checks = {v: _ask(engines, v, op="fresh_row_check") for v in (*variants, "one-line-only")}
     print(f"fresh-row check: {json.dumps(checks)}", file=sys.stderr, flush=True)
     # The check proves something only if it catches the unguarded engine reading the slot.
-    check_valid = (not checks["unguarded"]["fresh_state"] and checks["gdn-pass"]["fresh_state"]
-                   and checks["alternative"]["fresh_state"])
+    check_valid = not checks["unguarded"]["fresh_state"] and all(checks[v]["fresh_state"] for v in variants[1:])
     cases = [(b, f) for b in args.batches for f in sorted({0, 1, b // 2}) if f <= b]
     keys = [f"B={b} fresh={f}" for b, f in cases]
-    times: dict[str, dict[str, list]] = {k: {v: [] for v in VARIANTS} for k in keys}
+    times: dict[str, dict[str, list]] = {k: {v: [] for v in variants} for k in keys}
     hooks: dict[str, list] = {k: [] for k in keys}
     hook_parts: dict[str, list] = {k: [] for k in keys}
-    streams: dict[str, list] = {v: [] for v in VARIANTS}
+    streams: dict[str, list] = {v: [] for v in variants}
     profiles: dict[str, dict] = {}
     import vllm
 
@@ -410,20 +422,20 @@ def run(args, save=lambda result: None) -> dict:
     def measure_stream() -> None:
         # Each variant first runs a short stream unmeasured: the first prefills of new
         # shapes autotune Triton kernels and would be charged to whichever variant ran first.
-        for v in VARIANTS:
+        for v in variants:
             _ask(engines, v, op="stream", requests=args.stream_warmup, seed=1000)
         for sr in range(args.stream_rounds):
             if sr > 0 and out_of_time():
                 print(f"time budget spent after {sr} stream round(s)", file=sys.stderr, flush=True)
                 break
-            for v in VARIANTS[sr % 3:] + VARIANTS[:sr % 3]:
+            for v in _rotated(variants, sr):
                 streams[v].append(_ask(engines, v, op="stream", requests=args.stream, seed=sr)["tokens_per_s"])
         print(f"stream done at {time.time() - started:.0f} s", file=sys.stderr, flush=True)
 
     for spec in args.profile:  # before the rounds: a run cut short still has them
         b, f = (int(x) for x in spec.split(":"))
         profiles[f"B={b} fresh={f}"] = {v: _ask(engines, v, op="profile", batch=b, fresh=f, steps=args.steps,
-                                                 warmup=args.warmup) for v in VARIANTS}
+                                                 warmup=args.warmup) for v in variants}
         print(f"profiled B={b} fresh={f}: " + json.dumps({v: (p["wall_ms"], p["gpu_kernel_us"])
                                                           for v, p in profiles[f"B={b} fresh={f}"].items()}),
               file=sys.stderr, flush=True)
@@ -436,7 +448,7 @@ def run(args, save=lambda result: None) -> dict:
         if r > 0 and out_of_time():
             print(f"time budget spent after {r} round(s)", file=sys.stderr, flush=True)
             break
-        order = VARIANTS[r % 3:] + VARIANTS[:r % 3]
+        order = _rotated(variants, r)
         for (b, f), key in zip(cases, keys):
             for v in order:
                 reply = _ask(engines, v, op="steps", batch=b, fresh=f, steps=args.steps, warmup=args.warmup)
@@ -455,6 +467,12 @@ def run(args, save=lambda result: None) -> dict:
     return result(rounds_done)
 
 
+def _rotated(variants: tuple, turn: int) -> tuple:
+    """Round ``turn``'s order: each variant leads in turn (A B C, B C A, ...)."""
+    turn %= len(variants)
+    return variants[turn:] + variants[:turn]
+
+
 def _weight_std(args) -> float:
     if args.weight_std is not None:
         return args.weight_std
@@ -467,7 +485,7 @@ def _rows(times: dict, hooks: dict, hook_parts: dict) -> list[dict]:
     for key, by_variant in times.items():
         base = median(by_variant["unguarded"])
         rows.append(dict(case=key, unguarded_ms=round(base * 1e3, 3),
-                         **{f"{v}_ratio": round(median(by_variant[v]) / base, 4) for v in VARIANTS[1:]},
+                         **{f"{v}_ratio": round(median(ts) / base, 4) for v, ts in by_variant.items() if v != "unguarded"},
                          hook_share=round(median(hooks[key]), 4) if hooks[key] else None,
                          # where the hook's host time goes, microseconds per step (median over rounds)
                          hook_parts_us={k: round(median(p[k] for p in hook_parts[key]) * 1e6, 1)
@@ -481,16 +499,19 @@ def _stream_result(streams: dict) -> dict | None:
         return None
     base = statistics.median(streams["unguarded"])
     return dict(unguarded_tokens_per_s=round(base, 1),
-                **{f"{v}_ratio": round(statistics.median(streams[v]) / base, 4) for v in VARIANTS[1:]},
+                **{f"{v}_ratio": round(statistics.median(ts) / base, 4) for v, ts in streams.items() if v != "unguarded"},
                 samples=streams)
 
 
 def render(result: dict) -> str:
     model = (f"Qwen3-Next-80B layer dimensions, {result['layers']} layers" if result["dims"] != "tiny"
              else "the tests' tiny Qwen3-Next")
+    fused = FUSED in result["fresh_row_check"]
     lines = [f"# Cost of the fix in a real vLLM engine ({model}, vLLM {result['vllm']})", "",
-             f"Command: `{result['command']}`. Two engines side by side (plain vLLM, which also runs the "
-             f"alternative, switched in its workers; and gdn-pass), rounds rotating the variants' order; "
+             f"Command: `{result['command']}`. {'Three' if fused else 'Two'} engines side by side (plain vLLM, "
+             f"which also runs the alternative, switched in its workers; gdn-pass"
+             + ("; and gdn-pass with the fused decode path, `benchmarks/fused_decode.py`" if fused else "")
+             + "), rounds rotating the variants' order; "
              f"each cell is the median over {result['rounds']} rounds of the mean step time over "
              f"{result['steps']} steps. Ratios are to the unguarded engine, measured in the same run. With no "
              f"fresh row the alternative runs exactly plain vLLM's code: its ratio there is this run's noise.", "",
@@ -505,18 +526,22 @@ def render(result: dict) -> str:
                  "the slot, and find gdn-pass and the alternative fresh): the timings below are not "
                  "evidence for the fix's cost.", ""]),
              *(["| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
-                "| gdn-pass hook host time / step | of it, us/step by function |", "|---|---|---|---|---|---|"]
+                + ("| fused (gated decode kernels) " if fused else "")
+                + "| gdn-pass hook host time / step | of it, us/step by function |",
+                "|---|---|---|---|" + ("---|" if fused else "") + "---|---|"]
                if result["rows"] else [])]
     for r in result["rows"]:
         share = "-" if r["hook_share"] is None else f"{r['hook_share']:.2%}"
         parts = ", ".join(f"{k} {v}" for k, v in sorted(r["hook_parts_us"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {r['case']} | {r['unguarded_ms']} | x{r['gdn-pass_ratio']} "
-                     f"| x{r['alternative_ratio']} | {share} | {parts or '-'} |")
+                     f"| x{r['alternative_ratio']} " + (f"| x{r[FUSED + '_ratio']} " if fused else "")
+                     + f"| {share} | {parts or '-'} |")
     if result["stream"]:
         s = result["stream"]
         lines += ["", f"Serving-like stream ({len(s['samples']['unguarded'])} round(s), after an unmeasured "
                       f"warm-up stream per variant): unguarded {s['unguarded_tokens_per_s']} output tokens/s; "
-                      f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']} "
+                      f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']}"
+                      + (f", fused x{s[FUSED + '_ratio']}" if fused else "") + " "
                       "(ratios of tokens/s; higher is faster)."]
     for case, by_variant in (result.get("profiles") or {}).items():
         lines += ["", f"Profile, {case} (torch.profiler, one window of {result['steps']} steps per variant; "
@@ -553,6 +578,9 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
+    ap.add_argument("--fused", action="store_true",
+                    help="add the fused alternative (benchmarks/fused_decode.py: vLLM 0.26's decode fast path "
+                         "with gated state loads, no zeroing launch) in a third engine")
     ap.add_argument("--workdir", default="artifacts/engine_cost")
     ap.add_argument("--out", default=None, help="directory for engine_cost.json / .md")
     ap.add_argument("--name", default="engine_cost")

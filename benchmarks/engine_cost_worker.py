@@ -22,10 +22,19 @@ alone, for the correctness check only.
 from __future__ import annotations
 
 import functools
+import os
 
 from vllm.v1.attention.backends import gdn_attn
 
 from gdn_pass.examples.step_trace import fill_caches
+
+# The fused engine's environment asks for its decode path here, at import: vLLM
+# imports this module when it creates the worker, before it captures CUDA graphs.
+_FUSED = False
+if os.environ.get("GDN_PASS_BENCH_FUSED") == "1":
+    from benchmarks import fused_decode
+
+    _FUSED = fused_decode.install_if_asked()
 
 _switch = {"split": False, "runner": False}
 _split = gdn_attn.split_decodes_and_prefills
@@ -67,6 +76,10 @@ class BenchWorker:
             model_runner._bench_uniform_wrapped = True
         _switch.update(split=bool(split), runner=bool(runner))
         return bool(getattr(gdn_attn.split_decodes_and_prefills, "switchable", False))
+
+    def fused_installed(self) -> bool:
+        """Is the fused decode path (``benchmarks/fused_decode.py``) installed in this worker?"""
+        return _FUSED
 
     def bench_init_weights(self, std: float, seed: int) -> int:
         """Redraw every weight matrix of this worker's model from N(0, std); the count redrawn.

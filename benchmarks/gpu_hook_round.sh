@@ -3,8 +3,9 @@
 # (vLLM 0.26 bundle already unpacked: ../shared/gpu-vllm/README.md):
 #   GPU 0: benchmarks/zero_rows_bandwidth.py (ZERO_BANDWIDTH=1 only: the zeroing grid
 #          against the previous one), then the CUDA staging / zeroing / capture tests
-#          in a process without vLLM, then the same tests on a copy with a broken
-#          guard (it must fail): the zeroing kernel picks the wrong row.
+#          and the fused alternative's kernels against vLLM's (no engine), then the
+#          zeroing tests on a copy with a broken guard (it must fail): the zeroing
+#          kernel picks the wrong row.
 #   GPU 1: tests/gpu/test_vllm_e2e.py in modes default and full (the pass on vs the
 #          prompts run alone in fresh engines, pass off diverges). On a one-GPU
 #          machine (nvidia-h200) they run on GPU 0 after the tests above.
@@ -30,7 +31,7 @@ if [ "${ZERO_BANDWIDTH:-0}" = 1 ]; then
     echo "zero_rows_bandwidth exit $?"
 fi
 units=(tests/gpu/test_stage_rows_cuda.py tests/gpu/test_zero_rows_all.py tests/gpu/test_zero_rows_capture.py
-       tests/gpu/test_op_guard_capture.py)
+       tests/gpu/test_op_guard_capture.py tests/gpu/test_fused_decode.py)
 CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider "${units[@]}" \
     > "$OUT/cuda_units.log" 2>&1
 echo "cuda units exit $? | $(tail -1 "$OUT/cuda_units.log")"
