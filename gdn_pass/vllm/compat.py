@@ -239,7 +239,7 @@ def num_computed_tokens(common, query_lens: np.ndarray) -> np.ndarray:
     return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class DecodeRows:
     """A step's decode rows as vLLM's own device tensors say them (``zero_rows.zero_new_rows_all``).
 
@@ -248,6 +248,7 @@ class DecodeRows:
     ``seq_lens``: the scheduler's ``common_attn_metadata.seq_lens``; the first
     ``num_rows`` (``num_decodes``) rows run the decode path. Under FULL CUDA
     graphs all three are vLLM's persistent buffers, refreshed before each replay.
+    vLLM 0.26-0.31 build them as 1-D int32 tensors on the builder's device.
     """
 
     slots: torch.Tensor
@@ -256,24 +257,34 @@ class DecodeRows:
     num_rows: int
 
 
+@functools.cache
+def _decode_fields_exist() -> bool:
+    """Do this release's metadata classes have every field ``decode_rows`` reads? (Asked once.)"""
+    from vllm.v1.attention import backend
+    from vllm.v1.attention.backends import gdn_attn
+
+    return ({"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
+            <= _fields(gdn_attn.GDNAttentionMetadata) and "seq_lens" in _fields(backend.CommonAttentionMetadata))
+
+
 def decode_rows(common, metadata) -> DecodeRows | None:
     """The step's ``DecodeRows``, or None where they cannot say which rows are new.
 
     None on steps with speculative rows (their fresh rows need the host's
-    view, ``metadata_hook.host_rows``) and where a field is missing or shaped
-    otherwise than vLLM 0.26-0.31 build it: the caller then stages the rows.
+    view, ``metadata_hook.host_rows``), on releases without these fields, and
+    on a step whose tensors are shorter than its decode rows: the caller then
+    stages the rows itself. Runs at every build, so it checks only what can
+    change from step to step (a few attribute reads, ~1 us).
     """
-    if getattr(metadata, "spec_sequence_masks", None) is not None:
+    if metadata.spec_sequence_masks is not None or not _decode_fields_exist():
         return None
-    slots = getattr(metadata, "non_spec_state_indices_tensor", None)
-    starts = getattr(metadata, "non_spec_query_start_loc", None)
+    slots = metadata.non_spec_state_indices_tensor
+    starts = metadata.non_spec_query_start_loc
     seq_lens = getattr(common, "seq_lens", None)
-    tensors = (slots, starts, seq_lens)
-    if not all(isinstance(t, torch.Tensor) and t.dim() == 1 and not t.dtype.is_floating_point
-               and t.dtype != torch.bool and t.device == slots.device for t in tensors):
+    if slots is None or starts is None or seq_lens is None:
         return None
-    num_rows = int(getattr(metadata, "num_decodes", -1))
-    if not 0 <= num_rows <= min(slots.numel(), seq_lens.numel(), starts.numel() - 1):
+    num_rows = metadata.num_decodes
+    if num_rows > slots.shape[0] or num_rows >= starts.shape[0] or num_rows > seq_lens.shape[0]:
         return None
     return DecodeRows(slots, starts, seq_lens, num_rows)
 

@@ -60,9 +60,13 @@ def test_gated_kernels_decode_as_vllms_and_new_rows_as_on_a_zeroed_slot(rows, gr
     got_out = torch.empty_like(ref_out)
     x_in = x.clone()
 
+    # The recurrent kernel is fed vLLM's conv output: the two conv kernels round their
+    # bf16 outputs apart by an ulp here and there, which the recurrence would carry on.
+    mixed_ref = mixed.clone()
+
     def step():
-        mixed = gated_conv1d_update(x_in, got_conv, weight, bias, "silu", slots, starts, seq_lens)
-        gated_packed_decode(mixed, a, b, A_log, dt_bias, K ** -0.5, got_ssm, got_out, slots, starts, seq_lens)
+        gated_conv1d_update(x_in, got_conv, weight, bias, "silu", slots, starts, seq_lens)
+        gated_packed_decode(mixed_ref, a, b, A_log, dt_bias, K ** -0.5, got_ssm, got_out, slots, starts, seq_lens)
 
     if graph:  # captured, as under vLLM's FULL decode graphs
         warm_conv, warm_ssm, warm_x = got_conv.clone(), got_ssm.clone(), x_in.clone()
@@ -76,9 +80,12 @@ def test_gated_kernels_decode_as_vllms_and_new_rows_as_on_a_zeroed_slot(rows, gr
     else:
         step()
     torch.cuda.synchronize()
-    torch.testing.assert_close(got_out.float(), ref_out.float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got_conv[slots.long()].float(), ref_conv[slots.long()].float(), atol=2e-2, rtol=2e-2)
-    torch.testing.assert_close(got_ssm[slots.long()], ref_ssm[slots.long()], atol=2e-3, rtol=2e-3)
+    # conv: outputs and windows within a bf16 ulp of vLLM's
+    torch.testing.assert_close(x_in.float(), mixed.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got_conv[slots.long()].float(), ref_conv[slots.long()].float(), atol=0, rtol=0)
+    # recurrence, from the same input: vLLM's numbers up to float32 rounding
+    torch.testing.assert_close(got_out.float(), ref_out.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got_ssm[slots.long()], ref_ssm[slots.long()], atol=1e-5, rtol=1e-4)
     untouched = torch.ones(SLOTS, dtype=torch.bool, device="cuda")
     untouched[slots.long()] = False
     assert torch.equal(got_conv[untouched], conv_state[untouched])

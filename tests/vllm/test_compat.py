@@ -125,7 +125,7 @@ def test_inductor_pass_base_is_vllms():
 
 def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
     """``decode_rows`` hands the zeroing launch vLLM's tensors only on steps without
-    speculative rows whose fields have the shapes vLLM 0.26-0.31 build; otherwise
+    speculative rows whose tensors cover the decode rows; otherwise
     None, and the metadata hook stages the rows itself."""
     from types import SimpleNamespace
 
@@ -145,4 +145,4 @@ def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
     assert compat.decode_rows(common, metadata(non_spec_state_indices_tensor=None)) is None
     assert compat.decode_rows(common, metadata(num_decodes=4)) is None  # more rows than lengths
     assert compat.decode_rows(SimpleNamespace(), metadata()) is None
-    assert compat.decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(3, 2, dtype=torch.int32))) is None
+    assert compat.decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(2, dtype=torch.int32))) is None
