@@ -70,27 +70,28 @@ def _gated_conv1d_update_kernel(
     slot = tl.load(slot_ptr + row * stride_slot).to(tl.int64)
     if slot > 0:
         has_state = _row_has_state(starts_ptr, seq_lens_ptr, row)
-        taps = tl.arange(0, TAPS)  # the W - 1 previous tokens, oldest first (padded to a power of 2)
+        # The window, oldest token first: W - 1 state taps, then the new token (padded to a power of 2).
+        taps = tl.arange(0, TAPS)
+        in_window = inside[:, None] & (taps[None, :] < WIDTH)
         held = inside[:, None] & (taps[None, :] < WIDTH - 1)
         # (the flag as a block, not a broadcast scalar: Triton's CPU interpreter needs a dense mask)
         read = held & ((tl.zeros([BLOCK, TAPS], dtype=tl.int32) + has_state.to(tl.int32)) != 0)
         state_at = state_ptr + slot * stride_s_slot + channels[:, None] * stride_s_dim
-        previous = tl.load(state_at + taps[None, :] * stride_s_pos, mask=read, other=0)
         x = tl.load(x_ptr + row * stride_x_row + channels, mask=inside, other=0)
+        window = tl.load(state_at + taps[None, :] * stride_s_pos, mask=read, other=0)
+        window = tl.where(taps[None, :] == WIDTH - 1, x[:, None], window)
         weights = tl.load(weight_ptr + channels[:, None] * stride_w_dim + taps[None, :] * stride_w_tap,
-                          mask=held, other=0).to(tl.float32)
-        acc = tl.sum(previous.to(tl.float32) * weights, 1)
-        acc += x.to(tl.float32) * tl.load(weight_ptr + channels * stride_w_dim + (WIDTH - 1) * stride_w_tap,
-                                          mask=inside, other=0).to(tl.float32)
+                          mask=in_window, other=0).to(tl.float32)
+        acc = tl.sum(window.to(tl.float32) * weights, 1)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + channels, mask=inside, other=0).to(tl.float32)
         if SILU:
             acc = acc * tl.sigmoid(acc)
-        # Shift the window by one token: tap j takes tap j + 1, the last tap the new token.
-        later = tl.load(state_at + (taps[None, :] + 1) * stride_s_pos,
-                        mask=read & (taps[None, :] + 1 < WIDTH - 1), other=0)
-        shifted = tl.where(taps[None, :] == WIDTH - 2, x[:, None], later)
-        tl.store(state_at + taps[None, :] * stride_s_pos, shifted, mask=held)
+        # Shift by one token: tap j + 1 of the window goes to state tap j. Another thread of this
+        # program may hold tap j: every load of the window must be done before any store.
+        tl.debug_barrier()
+        tl.store(state_at + (taps[None, :] - 1) * stride_s_pos, window,
+                 mask=inside[:, None] & (taps[None, :] >= 1) & (taps[None, :] < WIDTH))
         tl.store(x_ptr + row * stride_x_row + channels, acc.to(x_ptr.dtype.element_ty), mask=inside)
 
 
@@ -157,7 +158,7 @@ def gated_conv1d_update(x: torch.Tensor, conv_state: torch.Tensor, weight: torch
     _gated_conv1d_update_kernel[(rows, triton.cdiv(dim, block))](
         x, weight, bias if bias is not None else weight, conv_state, slots, query_start_loc, seq_lens, dim,
         x.stride(0), weight.stride(0), weight.stride(1), *conv_state.stride(), slots.stride(0),
-        WIDTH=width, TAPS=triton.next_power_of_2(max(width - 1, 1)), HAS_BIAS=bias is not None,
+        WIDTH=width, TAPS=triton.next_power_of_2(width), HAS_BIAS=bias is not None,
         SILU=activation in ("silu", "swish"), BLOCK=block)
     return x.to(original_dtype)
 
