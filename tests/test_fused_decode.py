@@ -18,13 +18,11 @@ compares the kernels with vLLM's own on CUDA.
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.triton_interpreter import run_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -61,7 +59,6 @@ def reference(x, conv_state, weight, bias, a, b, A_log, dt_bias, state, slots, n
 
 def check(seed: int, rows: int) -> list[str]:
     """One random step of ``rows`` rows; what went wrong. Run with the interpreter on."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks.fused_decode import gated_conv1d_update, gated_packed_decode
 
     gen = torch.Generator().manual_seed(seed)
@@ -114,11 +111,7 @@ CASES = [(0, 1), (1, 3), (2, 6), (3, 9)]
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"seed{c[0]}-rows{c[1]}")

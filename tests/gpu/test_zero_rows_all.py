@@ -22,6 +22,17 @@ def layer_caches():
     return conv, ssm, pool
 
 
+def assert_only_zeroed(layers, before, zeroed: set[int], step: int) -> None:
+    """Every layer's slots in ``zeroed`` are all zero (and nothing past them changed); the others as ``before``."""
+    for (conv, ssm, pool), (conv0, pool0) in zip(layers, before):
+        for s in range(NUM_SLOTS):
+            if s in zeroed:
+                assert conv[s].eq(0).all() and ssm[s].eq(0).all(), (step, s)
+                assert torch.equal(pool[s, 4 * 32 * 32:], pool0[s, 4 * 32 * 32:]), "wrote past the slot"
+            else:
+                assert torch.equal(conv[s], conv0[s]) and torch.equal(pool[s], pool0[s]), (step, s)
+
+
 @pytest.mark.parametrize("max_rows", [1, MAX_ROWS, 256])
 def test_one_captured_launch_zeroes_fresh_slots_of_every_layer(max_rows):
     layers = [layer_caches() for _ in range(LAYERS)]
@@ -58,13 +69,7 @@ def test_one_captured_launch_zeroes_fresh_slots_of_every_layer(max_rows):
         graph.replay()
         torch.cuda.synchronize()
         fresh = {s for s, c, q in zip(slots, computed, qlens) if c == 0 and q > 0 and s > 0}
-        for (conv, ssm, pool), (conv0, pool0) in zip(layers, before):
-            for s in range(NUM_SLOTS):
-                if s in fresh:
-                    assert conv[s].eq(0).all() and ssm[s].eq(0).all(), (step, s)
-                    assert torch.equal(pool[s, 4 * 32 * 32:], pool0[s, 4 * 32 * 32:]), "wrote past the slot"
-                else:
-                    assert torch.equal(conv[s], conv0[s]) and torch.equal(pool[s], pool0[s]), (step, s)
+        assert_only_zeroed(layers, before, fresh, step)
 
 
 def test_layouts_the_kernel_does_not_cover_get_no_table():
@@ -196,11 +201,4 @@ def test_captured_launch_finds_new_rows_in_vllms_persistent_buffers(graph_rows):
         before = [(conv.clone(), pool.clone()) for conv, _, pool in layers]
         graph.replay()
         torch.cuda.synchronize()
-        zeroed = {s for s, f in zip(slots, new) if f}
-        for (conv, ssm, pool), (conv0, pool0) in zip(layers, before):
-            for s in range(NUM_SLOTS):
-                if s in zeroed:
-                    assert conv[s].eq(0).all() and ssm[s].eq(0).all(), (step, s)
-                    assert torch.equal(pool[s, 4 * 32 * 32:], pool0[s, 4 * 32 * 32:]), "wrote past the slot"
-                else:
-                    assert torch.equal(conv[s], conv0[s]) and torch.equal(pool[s], pool0[s]), (step, s)
+        assert_only_zeroed(layers, before, {s for s, f in zip(slots, new) if f}, step)

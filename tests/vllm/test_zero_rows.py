@@ -15,14 +15,12 @@ block table (vLLM's ``non_spec_state_indices_tensor`` outside FULL graphs).
 """
 
 import json
-import os
 import random
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+
+from tests.triton_interpreter import run_in_interpreter
 
 pytest.importorskip("triton")
 
@@ -119,11 +117,7 @@ def check_new_rows_case(max_rows: int, programs: int, share: float) -> list[str]
 
 @pytest.fixture(scope="module")
 def interpreted_results():
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(
-        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return run_in_interpreter(__file__)
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"rows{c[0]}-programs{c[1]}-fresh{c[2]}")
