@@ -57,6 +57,7 @@ _BEHAVIOUR_MODULES = (
     "inductor_ext.gated_gather",
     "gdn_pass.opaque_ops",
     "gdn_pass.vllm.compat",
+    "gdn_pass.vllm.builders",
     "gdn_pass.vllm.guarded_ops",
     "gdn_pass.vllm.state_guard",
     "gdn_pass.vllm.piecewise",
@@ -224,6 +225,10 @@ class GDNStatePass(CustomGraphPass):
             read.reason = "guard_opaque_ops=False"
             return read
         provider = importlib.import_module(_GUARD_PROVIDERS[namespace])
+        stand_down = provider.stand_down_reason(spec)
+        if stand_down is not None:
+            read.reason = f"not needed: {stand_down}"
+            return read
         guarded = provider.guarded_overload(op, spec)
         if node.target in _AUTO_FUNCTIONALIZED:
             node.args = (guarded, *node.args[1:])

@@ -15,9 +15,17 @@ release           platform  GDN builder                      GDN/KDA core ops (v
                                                              bailing_v3_kda_attention
 0.30.0            CPU       base ``__init__`` (``device``,   as 0.28
                             ``layer_names`` attributes)
-0.31.0            CPU       upstream fix (fresh rows are     as 0.28; the pass changes
-                            prefills)                        nothing there
+0.31.0, 0.32.0    CPU       upstream fix (fresh rows are     as 0.28
+                            prefills): the ``gdn`` entry
+                            stands down
+0.33.0            CUDA      as 0.32 (Python read, not run)   as 0.28
 ================  ========  ===============================  ===========================
+
+The Lightning linear-attention builders (``builders``: ``bailing_linear``,
+``minimax_linear``) are the same in every release from 0.26 to 0.33, and
+unfixed in all of them. A release newer than the newest tested one is run
+through only where the pass is not configured; configured, the engine stops
+at start-up naming the release (``check_release``).
 
 All of them have ``PAD_SLOT_ID = -1`` and ``NULL_BLOCK_ID = 0`` and keep
 ``InductorPass`` in ``vllm.compilation.passes.inductor_pass`` (older releases
@@ -48,11 +56,14 @@ __all__ = [
     "builder_context",
     "check_supported",
     "core_op_problems",
+    "check_release",
     "engine_compiles",
+    "fields_of",
     "inductor_pass_base",
     "num_computed_tokens",
     "pad_slot_ids",
     "step_inputs",
+    "version_tuple",
     "vllm_version",
 ]
 
@@ -64,8 +75,13 @@ TESTED_RELEASES = {
     "0.28.0": "cpu",
     "0.29.0": "cpu",
     "0.30.0": "cpu",
-    "0.31.0": "cpu, fixed upstream",
+    "0.31.0": "cpu, GDN fixed upstream",
+    "0.32.0": "cpu, GDN fixed upstream",
+    "0.33.0": "cuda, GDN fixed upstream; builders' Python read, equal to 0.32's where it matters",
 }
+# The newest minor release whose builders the adapter knows (the CHANGELOG says how each was checked).
+NEWEST_KNOWN = (0, 33)
+OLDEST_KNOWN = (0, 26)
 
 _INDUCTOR_PASS_MODULES = (
     "vllm.compilation.passes.inductor_pass",
@@ -160,7 +176,7 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
     bound = _signature(init).bind(builder, *args, **kwargs).arguments
     missing = [name for name in _CONSTRUCTOR_ARGS if name not in bound]
     if missing:
-        raise _unsupported(f"{builder_class().__name__}.__init__ takes no {missing}")
+        raise _unsupported(f"{type(builder).__name__}.__init__ takes no {missing}")
     return BuilderContext(
         layer_names=tuple(bound["layer_names"]),
         device=torch.device(bound["device"]),
@@ -196,12 +212,17 @@ def step_inputs(build, builder, args: tuple, kwargs: dict) -> tuple[Any, torch.T
     return common, kwargs.get("num_decode_draft_tokens_cpu")
 
 
+def common_position(build) -> int:
+    """Position (after ``self``) of ``common_attn_metadata`` in ``build``'s signature."""
+    return _step_input_positions(build)[0]
+
+
 @functools.cache
 def _step_input_positions(build) -> tuple[int, int | None]:
     """Positions (after ``self``) of ``common_attn_metadata`` and ``num_decode_draft_tokens_cpu``."""
     names = list(_signature(build).parameters)[1:]
     if "common_attn_metadata" not in names:
-        raise _unsupported(f"{builder_class().__name__}.build takes no common_attn_metadata")
+        raise _unsupported(f"{build.__qualname__} takes no common_attn_metadata")
     drafts = names.index("num_decode_draft_tokens_cpu") if "num_decode_draft_tokens_cpu" in names else None
     return names.index("common_attn_metadata"), drafts
 
@@ -264,7 +285,7 @@ def _decode_fields_exist() -> bool:
     from vllm.v1.attention.backends import gdn_attn
 
     return ({"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
-            <= _fields(gdn_attn.GDNAttentionMetadata) and "seq_lens" in _fields(backend.CommonAttentionMetadata))
+            <= fields_of(gdn_attn.GDNAttentionMetadata) and "seq_lens" in fields_of(backend.CommonAttentionMetadata))
 
 
 def decode_rows(common, metadata) -> DecodeRows | None:
@@ -374,7 +395,7 @@ def scenario_engine_args() -> dict:
     """
     from vllm.platforms import current_platform
 
-    if not current_platform.is_cpu() or not ((0, 27) <= _version_tuple() <= (0, 29)):
+    if not current_platform.is_cpu() or not ((0, 27) <= version_tuple() <= (0, 29)):
         return {}
     cpu = torch.cpu
     if cpu._is_avx512_bf16_supported() and not cpu._is_amx_tile_supported():
@@ -382,36 +403,46 @@ def scenario_engine_args() -> dict:
     return {}
 
 
-def _version_tuple() -> tuple[int, ...]:
+def version_tuple() -> tuple[int, ...]:
+    """``(major, minor)`` of the installed vLLM."""
     return tuple(int(p) for p in re.findall(r"\d+", vllm_version())[:2])
+
+
+def check_release() -> None:
+    """Raise UnsupportedVLLM for a release outside the known ones (engine start, configured only)."""
+    if not OLDEST_KNOWN <= version_tuple() <= NEWEST_KNOWN:
+        newest = ".".join(map(str, NEWEST_KNOWN))
+        raise _unsupported(f"gdn-pass knows the state builders of vLLM 0.26 to {newest} only, "
+                           "and this release's may have changed")
 
 
 # --- start-up check -------------------------------------------------------------
 
 
-def _fields(cls) -> set[str]:
+def fields_of(cls) -> set[str]:
     if dataclasses.is_dataclass(cls):
         return {f.name for f in dataclasses.fields(cls)}
     return set(getattr(cls, "__annotations__", {}))
 
 
-def check_supported(context: BuilderContext, build) -> None:
+def check_supported(context: BuilderContext, build, entry=None) -> None:
     """Raise UnsupportedVLLM, naming what is missing, if rows cannot be staged here.
 
-    Called when a GDN builder is constructed in an engine that configured
+    Called when a state builder is constructed in an engine that configured
     GDNStatePass: at engine start, never inside a step. ``build`` is the
-    builder's own ``build`` (before any wrapper).
+    builder's own ``build`` (before any wrapper); ``entry`` its registry entry
+    (``builders.StateBuilder``; the GDN builder's where None).
     """
     from vllm.v1.attention import backend
-    from vllm.v1.attention.backends import gdn_attn
 
-    missing = []
-    gdn_fields = _fields(gdn_attn.GDNAttentionMetadata)
-    for field in ("non_spec_state_indices_tensor", "spec_sequence_masks"):
-        if field not in gdn_fields:
-            missing.append(f"GDNAttentionMetadata.{field}")
+    if entry is None:
+        from gdn_pass.vllm.builders import REGISTRY as entries
+
+        entry = entries[0]
+    check_release()
+    missing = entry.layout_problems()
     common = backend.CommonAttentionMetadata
-    common_fields = _fields(common)
+    common_fields = fields_of(common)
     for field in ("query_start_loc_cpu", "num_reqs"):
         if field not in common_fields:
             missing.append(f"CommonAttentionMetadata.{field}")
@@ -419,12 +450,12 @@ def check_supported(context: BuilderContext, build) -> None:
             or hasattr(common, "compute_num_computed_tokens")):
         missing.append("any per-row computed-token count on CommonAttentionMetadata")
     if "common_attn_metadata" not in inspect.signature(build).parameters:
-        missing.append(f"{builder_class().__name__}.build(common_attn_metadata=...)")
+        missing.append(f"{entry.class_name}.build(common_attn_metadata=...)")
     if not context.layer_names:
-        missing.append("the builder's layer names")
+        missing.append(f"the layer names of {entry.class_name}")
     forward_context = getattr(context.vllm_config.compilation_config, "static_forward_context", None)
     if forward_context is None:
         missing.append("compilation_config.static_forward_context")
     missing.extend(core_op_problems())
     if missing:
-        raise _unsupported("; ".join(missing))
+        raise _unsupported(f"{entry.class_name} ({entry.key}): " + "; ".join(missing))

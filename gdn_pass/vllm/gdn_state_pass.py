@@ -30,6 +30,11 @@ class GDNStatePass(_TorchGDNStatePass, compat.inductor_pass_base()):
     of everything that decides the rewrite.
     """
 
+    def options(self) -> dict:
+        # Whether the core ops get twins depends on the release (an entry that
+        # vLLM fixed stands down): a compiled graph is only valid for it.
+        return {**super().options(), "vllm": compat.vllm_version()}
+
     def __call__(self, graph):
         from gdn_pass.vllm import install
 

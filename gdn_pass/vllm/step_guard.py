@@ -43,14 +43,16 @@ import torch
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all
 
-__all__ = ["Owner", "ZEROED_ATTR", "activity", "decide_owner", "note_twin_layer", "twin_layers",
-           "zero_group"]
+__all__ = ["Owner", "ZEROED_ATTR", "activity", "decide_owner", "note_stand_down", "note_twin_layer",
+           "stood_down", "twin_layers", "zero_group"]
 
 # Set on a step's metadata once its fresh slots are zeroed (or nothing was
 # fresh) by the step guard; the twins of that step then do nothing.
 ZEROED_ATTR = "gdn_pass_zeroed"
 
 _TWIN_LAYERS: set[str] = set()
+# Registry entries (``builders``) that stood down in this process: vLLM fixed their builder.
+_STOOD_DOWN: set[str] = set()
 # What the step guard did in this process, for reports and tests: the owner
 # decided per group (keyed by the group's first layer), builds that zeroed
 # something, and launches (CUDA) or per-cache zeroings (CPU) they made.
@@ -65,6 +67,15 @@ class Owner(enum.Enum):
 def note_twin_layer(layer_name: str) -> None:
     """Record that a guarded twin runs for ``layer_name`` in this process."""
     _TWIN_LAYERS.add(layer_name)
+
+
+def note_stand_down(entry_key: str) -> None:
+    """Record that the registry entry ``entry_key`` stands down in this process (no rows staged)."""
+    _STOOD_DOWN.add(entry_key)
+
+
+def stood_down() -> frozenset[str]:
+    return frozenset(_STOOD_DOWN)
 
 
 def twin_layers() -> frozenset[str]:

@@ -158,8 +158,16 @@ def vllm_config(*, configured: bool, by_name: bool = False):
     return VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
 
 
-def new_builder(config, *, like_0_26: bool, monkeypatch):
+def new_builder(config, *, like_0_26: bool, monkeypatch, acting: bool = True):
+    """A real GDN builder. ``acting``: on releases where vLLM reroutes fresh rows itself (0.31+)
+    the GDN entry stands down on CPU; the hook's mechanics are then tested as in an engine where
+    it acts (vLLM's V1 runner with FULL CUDA graphs, ``builders.StateBuilder.stands_down``)."""
     from vllm.v1.kv_cache_interface import MambaSpec
+
+    if acting:
+        from gdn_pass.vllm import builders
+
+        monkeypatch.setattr(builders, "_reroute_holds", lambda vllm_config: None)
 
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 

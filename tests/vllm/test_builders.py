@@ -1,0 +1,156 @@
+"""The registry of state builders (``gdn_pass.vllm.builders``) against this vLLM's real classes.
+
+Runs in every CPU environment of ``scripts/test`` (0.30 here; 0.27, 0.31 and
+0.32 through ``test_releases.py``). Which release reroutes fresh GDN rows is
+checked on the real builder, not taken from the registry: a step where every
+row has one token and one row is brand new is built by vLLM's own
+``GDNAttentionMetadataBuilder``, unhooked, and its split says whether the
+fresh row reached the decode kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+
+from gdn_pass.vllm import builders, compat, metadata_hook, step_guard
+from gdn_pass.vllm.state_guard import ROWS_ATTR
+from tests.vllm.test_metadata_hook import bind_poisoned_caches, bug_step, new_builder, step_of, vllm_config, zeroed
+
+REROUTES = compat.version_tuple() >= (0, 31)
+
+
+def _bug_step_as_the_runner_sends_it():
+    """``bug_step`` as vLLM's runner orders it (rows still prefilling last; ``reorder_batch_threshold``)
+    and with its ``is_prefilling`` (0.31+): the brand-new row, on block 4, is the last one."""
+    common = step_of([9, 30, 0], [1, 1, 1], [3, 5, 4])
+    if "is_prefilling" in compat.fields_of(type(common)):
+        common = dataclasses.replace(common, is_prefilling=torch.tensor([False, False, True]))
+    return common
+
+
+def test_the_builders_of_every_release_are_there_with_the_fields_the_rows_read():
+    present = {entry.key for entry, _ in builders.installed()}
+    assert {"gdn", "bailing_linear", "minimax_linear"} <= present
+    for entry, _ in builders.installed():
+        assert entry.layout_problems() == [], entry.key
+
+
+def test_a_builder_belongs_to_its_nearest_registered_class():
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+    from vllm.v1.attention.backends.linear_attn import (
+        BailingLinearAttentionMetadataBuilder,
+        LinearAttentionMetadataBuilder,
+    )
+
+    class UnregisteredGDNBuilder(GDNAttentionMetadataBuilder):
+        pass
+
+    keys = {cls: builders.entry_of(cls).key for cls in (
+        GDNAttentionMetadataBuilder, UnregisteredGDNBuilder, BailingLinearAttentionMetadataBuilder,
+        LinearAttentionMetadataBuilder)}
+    assert list(keys.values()) == ["gdn", "gdn", "bailing_linear", "minimax_linear"]
+
+
+def test_the_gdn_builder_reroutes_exactly_where_the_entry_says(monkeypatch):
+    builder = new_builder(vllm_config(configured=False), like_0_26=False, monkeypatch=monkeypatch, acting=False)
+    metadata = builder.build(0, _bug_step_as_the_runner_sends_it())
+    fresh_row_is_a_decode = metadata.num_decodes == 3
+    assert fresh_row_is_a_decode == (not REROUTES), (compat.vllm_version(), metadata.num_decodes)
+    # On CPU no FULL decode graph can replay a rerouted step: the entry stands down where vLLM reroutes.
+    assert (builders.GDN.stands_down(vllm_config(configured=True)) is not None) == REROUTES
+
+
+@pytest.mark.skipif(not REROUTES, reason="vLLM reroutes fresh GDN rows from 0.31 on")
+def test_where_vllm_fixed_the_builder_the_entry_stands_down_with_one_line_and_no_step_work(monkeypatch, caplog):
+    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(metadata_hook, "_warned", set())
+    config = vllm_config(configured=True)
+    caches = bind_poisoned_caches(config)
+    with caplog.at_level(logging.INFO, logger="gdn_pass"):
+        builders_made = [new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False)
+                         for _ in range(2)]
+    lines = [r.getMessage() for r in caplog.records if "standing down" in r.getMessage()]
+    assert len(lines) == 1 and f"vLLM {compat.vllm_version()}" in lines[0] and "GDNAttentionMetadataBuilder" in lines[0]
+    metadata = builders_made[0].build(0, _bug_step_as_the_runner_sends_it())
+    assert not hasattr(metadata, ROWS_ATTR)
+    assert metadata.num_prefills == 1  # vLLM's own reroute: its prefill starts the row from zero
+    assert zeroed(caches) == [[]] * 4
+    assert "gdn" in step_guard.stood_down()
+
+
+@pytest.mark.skipif(not REROUTES, reason="vLLM reroutes fresh GDN rows from 0.31 on")
+def test_on_the_v1_runner_with_full_graphs_fresh_rows_stay_on_decode_and_are_zeroed(monkeypatch):
+    """vLLM 0.31+'s V1 runner picks a FULL decode graph from the batch shape before the build
+    (``GPUModelRunner._is_uniform_decode``); the rerouted builder then skips staging the graph's
+    decode buffers (``_stage_decode`` wants ``num_prefills == 0``), so the graph would replay stale
+    slots. There the entry acts: the step is built as before the reroute and the fresh slot zeroed."""
+    from vllm.config import CUDAGraphMode
+
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except Exception as exc:  # noqa: BLE001 - the runner's module needs CUDA pieces on some builds
+        pytest.skip(f"V1 runner not importable here: {exc!r}")
+    # The step (3 rows, 3 tokens, one each) is a uniform decode to the V1 runner.
+    assert GPUModelRunner._is_uniform_decode(max_num_scheduled_tokens=1, uniform_decode_query_len=1,
+                                             num_tokens=3, num_reqs=3)
+    monkeypatch.setattr(builders, "_reroute_holds", lambda config: None)  # V1 runner, FULL graphs, CUDA
+    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    unhooked_config = vllm_config(configured=False)
+    unhooked_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    unhooked = new_builder(unhooked_config, like_0_26=False, monkeypatch=monkeypatch)
+    plain = unhooked.build(0, _bug_step_as_the_runner_sends_it())
+    assert plain.num_prefills == 1  # the hazard: nothing staged for the decode graph this step
+
+    config = vllm_config(configured=True)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
+    caches = bind_poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    metadata = builder.build(0, _bug_step_as_the_runner_sends_it())
+    assert (metadata.num_decodes, metadata.num_prefills) == (3, 0)
+    assert metadata.non_spec_state_indices_tensor.tolist() == [3, 5, 4]
+    assert zeroed(caches) == [[4]] * 4
+    # A step with a real prefill keeps vLLM's own split (and its own zeroing of the fresh prefill).
+    caches = bind_poisoned_caches(config)
+    common = dataclasses.replace(step_of([9, 30, 0], [1, 1, 3], [3, 5, 4]),
+                                 is_prefilling=torch.tensor([False, False, True]))
+    metadata = builder.build(0, common)
+    assert metadata.num_prefills == 1 and zeroed(caches) == [[]] * 4
+
+
+def test_a_release_newer_than_the_known_ones_stops_only_a_configured_engine(monkeypatch):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.34.0")
+    with pytest.raises(compat.UnsupportedVLLM) as error:
+        new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
+    assert "vLLM 0.34.0" in str(error.value) and "0.26 to 0.33" in str(error.value)
+    builder = new_builder(vllm_config(configured=False), like_0_26=False, monkeypatch=monkeypatch)
+    assert not hasattr(builder.build(0, bug_step()), ROWS_ATTR)
+
+
+def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed(monkeypatch):
+    """Kimi-K3's KDA builder (0.27+, CUDA models; its own entry) splits like GDN's: before 0.31 a
+    brand-new one-token row is a decode and the step guard zeroes its slots in every layer."""
+    entry = next(e for e in builders.REGISTRY if e.key == "kimi_k3_kda")
+    cls = entry.builder_class()
+    if cls is None:
+        pytest.skip(f"vLLM {compat.vllm_version()} has no Kimi-K3 KDA builder")
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from tests.vllm.test_metadata_hook import LAYERS
+
+    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    metadata_hook.install()
+    config = vllm_config(configured=True)
+    caches = bind_poisoned_caches(config)
+    spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
+    builder = cls(spec, LAYERS, config, torch.device("cpu"))
+    metadata = builder.build(0, _bug_step_as_the_runner_sends_it())
+    if REROUTES:
+        assert metadata.num_prefills == 1 and not hasattr(metadata, ROWS_ATTR)
+        assert zeroed(caches) == [[]] * 4 and "kimi_k3_kda" in step_guard.stood_down()
+    else:
+        assert metadata.num_decodes == 3  # the bug, in vLLM's own split
+        assert zeroed(caches) == [[4]] * 4
