@@ -22,7 +22,8 @@ import torch
 
 from gdn_pass.examples.families import qwen_layers
 
-__all__ = ["QWEN3_NEXT_CONFIG", "QWEN3_NEXT_1K_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS"]
+__all__ = ["QWEN3_NEXT_CONFIG", "QWEN3_NEXT_1K_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS",
+           "EXTRA_FILES"]
 
 QWEN3_NEXT_CONFIG = {
     "architectures": ["Qwen3NextForCausalLM"],
@@ -167,6 +168,10 @@ CHECKPOINTS = {
     "llama": (LLAMA_CONFIG, _llama_tensors),
 }
 
+# kind -> {file name: text} written beside config.json (a family's config class,
+# for checkpoints that need trust_remote_code).
+EXTRA_FILES: dict[str, dict[str, str]] = {}
+
 
 def _merge_families() -> None:
     import importlib
@@ -174,7 +179,9 @@ def _merge_families() -> None:
     from gdn_pass.examples.families import FAMILY_MODULES
 
     for name in FAMILY_MODULES:
-        CHECKPOINTS.update(importlib.import_module(f"gdn_pass.examples.families.{name}").CHECKPOINTS)
+        module = importlib.import_module(f"gdn_pass.examples.families.{name}")
+        CHECKPOINTS.update(module.CHECKPOINTS)
+        EXTRA_FILES.update(getattr(module, "EXTRA_FILES", {}))
 
 
 _merge_families()
@@ -186,7 +193,7 @@ def _seeded_uniform(name: str, shape: tuple[int, ...], seed: int, scale: float) 
 
 
 def write_checkpoint(kind: str, out_dir: str | Path, *, seed: int = 0, scale: float = 0.2) -> Path:
-    """Write ``config.json`` and ``model.safetensors`` for ``kind`` into ``out_dir``."""
+    """Write ``config.json``, ``model.safetensors`` and the kind's ``EXTRA_FILES`` into ``out_dir``."""
     from safetensors.torch import save_file
 
     config, tensors = CHECKPOINTS[kind]
@@ -198,6 +205,8 @@ def write_checkpoint(kind: str, out_dir: str | Path, *, seed: int = 0, scale: fl
     }
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=1))
+    for name, text in EXTRA_FILES.get(kind, {}).items():
+        (out / name).write_text(text)
     return out
 
 

@@ -114,13 +114,19 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
 
 
 class StepRecorder:
-    """Records what the GDN builder saw on each step (row kinds, slots)."""
+    """Records what the state builders saw on each step (row kinds, slots): GDN's and the
+    Lightning linear attention's (Bailing-MoE-v2.5), whichever the model uses."""
 
     def __init__(self):
-        from gdn_pass.vllm import compat
+        from gdn_pass.vllm import builders, compat
 
-        builder_class = compat.builder_class()
         self.steps: list[dict] = []
+        for entry in (builders.GDN, *(e for e in builders.REGISTRY if e.key == "bailing_linear")):
+            builder_class = entry.builder_class()
+            if builder_class is not None:
+                self._record(builder_class, compat)
+
+    def _record(self, builder_class, compat) -> None:
         original = builder_class.build
 
         @functools.wraps(original)
@@ -129,9 +135,10 @@ class StepRecorder:
             m = compat.build_inputs(original, builder, args, kwargs)
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
-            slots = md.non_spec_state_indices_tensor
+            slots = getattr(md, "non_spec_state_indices_tensor", getattr(md, "state_indices_tensor", None))
             self.steps.append(
                 dict(
+                    builder=type(builder).__name__,
                     query_lens=qlens.tolist(),
                     num_computed_tokens=computed.tolist(),
                     num_decodes=md.num_decodes,

@@ -20,7 +20,7 @@ from gdn_pass.examples.demo import LOGPROB_TOL, run_demo
 from gdn_pass.examples.families import FAMILY_ENGINE_ARGS, kind_for_vllm, prepare_engine_process
 from gdn_pass.examples.families.bailing_moe_v3 import BAILING_MOE_V3_CONFIG
 from gdn_pass.examples.families.kimi_linear import KIMI_LINEAR_CONFIG
-from gdn_pass.examples.tiny_checkpoints import CHECKPOINTS, write_checkpoint
+from gdn_pass.examples.tiny_checkpoints import CHECKPOINTS, EXTRA_FILES, write_checkpoint
 
 @pytest.mark.parametrize("kind", sorted(CHECKPOINTS))
 def test_config_parses_and_architecture_is_registered(kind, tmp_path):
@@ -28,9 +28,14 @@ def test_config_parses_and_architecture_is_registered(kind, tmp_path):
     from vllm.transformers_utils.config import get_config
 
     model = write_checkpoint(kind, tmp_path / kind)
-    config = get_config(str(model), trust_remote_code=False)
+    # A kind that ships its config class (EXTRA_FILES) is read through it, as its engines do.
+    config = get_config(str(model), trust_remote_code=bool(EXTRA_FILES.get(kind)))
     assert config.architectures[0] in ModelRegistry.get_supported_archs()
     assert config.model_type == CHECKPOINTS[kind][0]["model_type"]
+    if EXTRA_FILES.get(kind):  # the shipped class keeps every value (vLLM folds the rope keys together)
+        for key, value in CHECKPOINTS[kind][0].items():
+            if not key.startswith(("rope", "partial_rotary", "auto_map", "torch_dtype")):
+                assert getattr(config, key) == value, key
 
 
 def test_kinds_for_vllm_026():

@@ -3,7 +3,10 @@
 Each module defines ``CHECKPOINTS = {kind: (config_dict, tensors)}`` where
 ``tensors(config)`` yields ``(name, shape)`` for every tensor of the Hugging
 Face checkpoint, named as vLLM's ``load_weights`` for that architecture
-expects them. ``gdn_pass.examples.tiny_checkpoints`` merges them.
+expects them. ``gdn_pass.examples.tiny_checkpoints`` merges them. A module
+may also define ``EXTRA_FILES = {kind: {file_name: text}}``, files written
+beside ``config.json`` (``bailing_linear``: its config class, so its
+checkpoints need ``trust_remote_code=True``).
 """
 
 FAMILY_MODULES = (
@@ -12,6 +15,7 @@ FAMILY_MODULES = (
     "interns2_mobius",
     "bailing_moe_v3",
     "kimi_linear",
+    "bailing_linear",
 )
 
 # Checkpoint kinds the family end-to-end test runs (tests/vllm/test_families.py).
@@ -26,6 +30,7 @@ E2E_FAMILIES = (
 )
 
 _NO_MM = ("--engine-arg", 'limit_mm_per_prompt={"image": 0, "video": 0}')
+_REMOTE_CODE = ("--engine-arg", "trust_remote_code=true")
 
 # Engine arguments a family needs on top of the scenario's.
 FAMILY_ENGINE_ARGS: dict[str, tuple[str, ...]] = {
@@ -37,6 +42,10 @@ FAMILY_ENGINE_ARGS: dict[str, tuple[str, ...]] = {
     # the MTP checkpoints also need speculative_config={"method": "mtp", ...}
     "qwen3_5_mtp": _NO_MM,
     "qwen3_5_moe_mtp": _NO_MM,
+    # Config class shipped beside config.json (bailing_linear.EXTRA_FILES): no
+    # config class in vLLM or transformers fits the Bailing-MoE-v2.5 layout.
+    "bailing_moe_v2_5": _REMOTE_CODE,
+    "bailing_moe_v2_5_mtp": _REMOTE_CODE,
 }
 
 # The first vLLM release whose model registry has the kind's architecture,

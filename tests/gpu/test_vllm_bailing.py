@@ -1,0 +1,130 @@
+"""The Lightning linear-attention bug fixed in a real CUDA vLLM engine (0.26 on the H200): Bailing-MoE-v2.5.
+
+vLLM's ``BailingLinearAttentionMetadataBuilder`` (unfixed in 0.26-0.33) calls
+a brand-new one-token request a decode when every row of the step has one
+token (with MTP: up to 1 + k tokens); the decode kernel then reads the
+request's recycled state slot. Each case runs the README scenario in its own
+engine process on a tiny seeded ``BailingMoeV2_5ForCausalLM`` (two Lightning
+layers, one MLA layer; ``gdn_pass.examples.families.bailing_linear``): R1
+runs and finishes, R2 keeps decoding, R3 is admitted next to R2 on R1's
+recycled slot. Pass off must diverge from R3 alone in a fresh engine of the
+same mode, pass on must equal it, and R2 must be bitwise the same with and
+without the pass. Modes: vLLM's CUDA default (FULL_AND_PIECEWISE),
+``cudagraph_mode=FULL``, ``enforce_eager=True``, the pass by qualified name
+(``vllm serve``'s form), and MTP with one speculative token (R3 of one and of
+two tokens). ``GDN_PASS_GPU_RESULTS=DIR`` keeps the per-case results.
+
+The reference is R3 alone in a fresh engine, except for a two-token R3 with
+MTP: alone it runs vLLM's prefill kernel, next to R2 the speculative decode
+kernel, and this tiny model's near-flat logits (top logprob about -6.3 of a
+uniform -6.9) let the two kernels' rounding pick different tokens. There the
+reference is the ``clean`` scenario: R3 next to R2 at the same step on a
+never-used (zero) slot, the same kernels and batch shapes, pass off.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared/gpu-vllm)")
+
+from gdn_pass.examples.demo import compare  # noqa: E402
+from gdn_pass.examples.families import FAMILY_ENGINE_ARGS  # noqa: E402
+from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from vllm_engines import LOGPROB_TOL, scenario  # noqa: E402
+
+_MTP = ("--engine-arg", 'speculative_config={"method": "mtp", "num_speculative_tokens": 1}')
+MODES = {  # mode: (checkpoint kind, compilation-config entries, extra scenario arguments)
+    "default": ("bailing_moe_v2_5", [], []),
+    "full": ("bailing_moe_v2_5", ["cudagraph_mode=FULL"], []),
+    "eager": ("bailing_moe_v2_5", [], ["--eager"]),
+    "mtp": ("bailing_moe_v2_5_mtp", [], list(_MTP)),
+    "mtp_2_tokens": ("bailing_moe_v2_5_mtp", [], [*_MTP, "--r3-prompt-len", "2"]),
+}
+SELECTED_MODES = [m for m in os.environ.get("GDN_PASS_GPU_BAILING_MODES", ",".join(MODES)).split(",") if m]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    workdir = tmp_path_factory.mktemp("gpu_bailing")
+    models = {kind: write_checkpoint(kind, workdir / kind, seed=0)
+              for kind in {MODES[m][0] for m in SELECTED_MODES}}
+    cases = {}
+    for mode in SELECTED_MODES:
+        kind, compilation, extra = MODES[mode]
+        extra = [*FAMILY_ENGINE_ARGS[kind], *extra]
+        cases[f"{mode}_isolated"] = ("isolated", "off", kind, compilation, extra)
+        for guard in ("off", "on"):
+            cases[f"{mode}_{guard}"] = ("poisoned", guard, kind, compilation, extra)
+    if "default" in SELECTED_MODES:
+        kind, compilation, extra = MODES["default"]
+        cases["default_on_by_name"] = ("poisoned", "on", kind, compilation,
+                                       [*FAMILY_ENGINE_ARGS[kind], *extra, "--pass-by-name"])
+    if "mtp_2_tokens" in SELECTED_MODES:
+        kind, compilation, extra = MODES["mtp_2_tokens"]
+        cases["mtp_2_tokens_clean"] = ("clean", "off", kind, compilation, [*FAMILY_ENGINE_ARGS[kind], *extra])
+    with ThreadPoolExecutor(len(cases)) as pool:
+        futures = {name: pool.submit(scenario, name, sc, guard, models[kind], workdir, compilation, extra=extra)
+                   for name, (sc, guard, kind, compilation, extra) in cases.items()}
+        results = {name: f.result() for name, f in futures.items()}
+    out = os.environ.get("GDN_PASS_GPU_RESULTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_vllm_bailing.json").write_text(
+            json.dumps({"vllm": vllm.__version__, "runs": results}, indent=1))
+    return results
+
+
+def _ok(runs, name) -> dict:
+    if name not in runs:
+        pytest.skip(f"{name} not selected (GDN_PASS_GPU_BAILING_MODES)")
+    result = runs[name]
+    assert "error" not in result, f"{name}: {result.get('error')}: {result.get('engine_error')}\n{result.get('log_tail')}"
+    return result
+
+
+def r3(runs, name) -> dict:
+    return _ok(runs, name)["requests"]["R3"]
+
+
+def reference(mode: str) -> str:
+    """The run R3 must equal (see the module docstring)."""
+    return f"{mode}_clean" if mode == "mtp_2_tokens" else f"{mode}_isolated"
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pass_off_reproduces_the_bug(runs, mode):
+    off = _ok(runs, f"{mode}_off")
+    assert off["plugin_hook_installed"], "the gdn_pass entry point did not load in the engine"
+    assert off["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
+    assert not compare(r3(runs, reference(mode)), r3(runs, f"{mode}_off"))["same_tokens"], (
+        f"{mode}: R3 on a recycled slot matched the isolated run without the pass")
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_pass_on_matches_isolated(runs, mode):
+    on = _ok(runs, f"{mode}_on")
+    assert on["fresh_decode_steps"] > 0
+    assert on["step_guard"]["steps_zeroed"] > 0, "the step guard zeroed no fresh slot"
+    diff = compare(r3(runs, reference(mode)), on["requests"]["R3"])
+    assert diff["same_tokens"] and diff["max_logprob_diff"] <= LOGPROB_TOL, diff
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_rows_with_history_unchanged_by_the_pass(runs, mode):
+    off, on = _ok(runs, f"{mode}_off"), _ok(runs, f"{mode}_on")
+    for rid in ("R1", "R2"):
+        diff = compare(off["requests"][rid], on["requests"][rid])
+        assert diff["same_tokens"] and diff["max_logprob_diff"] == 0.0, (rid, diff)
+
+
+def test_pass_by_qualified_name(runs):
+    by_name = _ok(runs, "default_on_by_name")
+    assert by_name["step_guard"]["steps_zeroed"] > 0
+    diff = compare(r3(runs, "default_isolated"), by_name["requests"]["R3"])
+    assert diff["same_tokens"] and diff["max_logprob_diff"] <= LOGPROB_TOL, diff
