@@ -61,6 +61,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gdn_pass.examples.families.bailing_moe_v3 import bailing_mla, bailing_mlp
+
 CONFIG_MODULE = "configuration_bailing_linear"
 CONFIG_CLASS = "BailingMoeV25TinyConfig"
 
@@ -150,30 +152,6 @@ def _is_linear(layer: int, c: dict) -> bool:
     return (layer + 1) % c["layer_group_size"] != 0
 
 
-def _moe(m: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, moe, experts = c["hidden_size"], c["moe_intermediate_size"], c["num_experts"]
-    yield f"{m}.gate.weight", (experts, h)
-    yield f"{m}.gate.expert_bias", (experts,)
-    for e in range(experts):
-        yield f"{m}.experts.{e}.gate_proj.weight", (moe, h)
-        yield f"{m}.experts.{e}.up_proj.weight", (moe, h)
-        yield f"{m}.experts.{e}.down_proj.weight", (h, moe)
-    shared = c["moe_shared_expert_intermediate_size"] * c["num_shared_experts"]
-    yield f"{m}.shared_experts.gate_proj.weight", (shared, h)
-    yield f"{m}.shared_experts.up_proj.weight", (shared, h)
-    yield f"{m}.shared_experts.down_proj.weight", (h, shared)
-
-
-def _mla(a: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, heads = c["hidden_size"], c["num_attention_heads"]
-    nope, rope, vd, kv_rank = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
-    yield f"{a}.q_proj.weight", (heads * (nope + rope), h)
-    yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
-    yield f"{a}.kv_a_layernorm.weight", (kv_rank,)
-    yield f"{a}.kv_b_proj.weight", (heads * (nope + vd), kv_rank)
-    yield f"{a}.dense.weight", (h, heads * vd)
-
-
 def _bailing_moe_v2_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, v = c["hidden_size"], c["vocab_size"]
     yield "model.word_embeddings.weight", (v, h)
@@ -194,15 +172,8 @@ def _bailing_moe_v2_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{a}.g_norm.weight", (inner,)
             yield f"{a}.dense.weight", (h, inner)
         else:
-            yield from _mla(a, c)
-        m = f"{p}.mlp"
-        if i < c["first_k_dense_replace"]:
-            inter = c["intermediate_size"]
-            yield f"{m}.gate_proj.weight", (inter, h)
-            yield f"{m}.up_proj.weight", (inter, h)
-            yield f"{m}.down_proj.weight", (h, inter)
-        else:
-            yield from _moe(m, c)
+            yield from bailing_mla(a, c)
+        yield from bailing_mlp(f"{p}.mlp", c, dense=i < c["first_k_dense_replace"])
 
 
 def _bailing_moe_v2_5_mtp_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
@@ -214,8 +185,8 @@ def _bailing_moe_v2_5_mtp_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...
         for norm in ("enorm", "hnorm", "input_layernorm", "post_attention_layernorm", "final_layernorm"):
             yield f"{p}.{norm}.weight", (h,)
         yield f"{p}.eh_proj.weight", (h, 2 * h)
-        yield from _mla(f"{p}.attention", c)
-        yield from _moe(f"{p}.mlp", c)  # always MoE, whatever first_k_dense_replace
+        yield from bailing_mla(f"{p}.attention", c)
+        yield from bailing_mlp(f"{p}.mlp", c, dense=False)  # always MoE, whatever first_k_dense_replace
 
 
 CHECKPOINTS = {

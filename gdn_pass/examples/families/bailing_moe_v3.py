@@ -89,7 +89,6 @@ def _bailing_moe_v3_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     yield "lm_head.weight", (v, h)
     heads, hd = c["num_attention_heads"], c["head_dim"]
     proj = heads * hd
-    nope, rope, vd, kv_rank = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", (h,)
@@ -109,29 +108,41 @@ def _bailing_moe_v3_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
             yield f"{a}.o_norm.weight", (hd,)
             yield f"{a}.o_proj.weight", (h, proj)
         else:
-            yield f"{a}.q_proj.weight", (heads * (nope + rope), h)
-            yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
-            yield f"{a}.kv_a_layernorm.weight", (kv_rank,)
-            yield f"{a}.kv_b_proj.weight", (heads * (nope + vd), kv_rank)
-            yield f"{a}.dense.weight", (h, heads * vd)
-        m = f"{p}.mlp"
-        if i < c["first_k_dense_replace"]:
-            inter = c["intermediate_size"]
-            yield f"{m}.gate_proj.weight", (inter, h)
-            yield f"{m}.up_proj.weight", (inter, h)
-            yield f"{m}.down_proj.weight", (h, inter)
-            continue
-        moe, experts = c["moe_intermediate_size"], c["num_experts"]
-        yield f"{m}.gate.weight", (experts, h)
-        yield f"{m}.gate.expert_bias", (experts,)
-        for e in range(experts):
-            yield f"{m}.experts.{e}.gate_proj.weight", (moe, h)
-            yield f"{m}.experts.{e}.up_proj.weight", (moe, h)
-            yield f"{m}.experts.{e}.down_proj.weight", (h, moe)
-        shared = c["moe_shared_expert_intermediate_size"] * c["num_shared_experts"]
-        yield f"{m}.shared_experts.gate_proj.weight", (shared, h)
-        yield f"{m}.shared_experts.up_proj.weight", (shared, h)
-        yield f"{m}.shared_experts.down_proj.weight", (h, shared)
+            yield from bailing_mla(a, c)
+        yield from bailing_mlp(f"{p}.mlp", c, dense=i < c["first_k_dense_replace"])
+
+
+def bailing_mla(a: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The Bailing family's MLA attention block (no q-LoRA), under prefix ``a``; v3 and v2.5 alike."""
+    h, heads = c["hidden_size"], c["num_attention_heads"]
+    nope, rope, vd, kv_rank = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"], c["kv_lora_rank"]
+    yield f"{a}.q_proj.weight", (heads * (nope + rope), h)
+    yield f"{a}.kv_a_proj_with_mqa.weight", (kv_rank + rope, h)
+    yield f"{a}.kv_a_layernorm.weight", (kv_rank,)
+    yield f"{a}.kv_b_proj.weight", (heads * (nope + vd), kv_rank)
+    yield f"{a}.dense.weight", (h, heads * vd)
+
+
+def bailing_mlp(m: str, c: dict, *, dense: bool) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The Bailing family's MLP under prefix ``m``: dense, or MoE with expert bias and shared experts."""
+    h = c["hidden_size"]
+    if dense:
+        inter = c["intermediate_size"]
+        yield f"{m}.gate_proj.weight", (inter, h)
+        yield f"{m}.up_proj.weight", (inter, h)
+        yield f"{m}.down_proj.weight", (h, inter)
+        return
+    moe, experts = c["moe_intermediate_size"], c["num_experts"]
+    yield f"{m}.gate.weight", (experts, h)
+    yield f"{m}.gate.expert_bias", (experts,)
+    for e in range(experts):
+        yield f"{m}.experts.{e}.gate_proj.weight", (moe, h)
+        yield f"{m}.experts.{e}.up_proj.weight", (moe, h)
+        yield f"{m}.experts.{e}.down_proj.weight", (h, moe)
+    shared = c["moe_shared_expert_intermediate_size"] * c["num_shared_experts"]
+    yield f"{m}.shared_experts.gate_proj.weight", (shared, h)
+    yield f"{m}.shared_experts.up_proj.weight", (shared, h)
+    yield f"{m}.shared_experts.down_proj.weight", (h, shared)
 
 
 CHECKPOINTS = {"bailing_moe_v3": (BAILING_MOE_V3_CONFIG, _bailing_moe_v3_tensors)}
