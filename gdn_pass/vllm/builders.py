@@ -37,6 +37,7 @@ import functools
 import importlib
 from collections.abc import Callable
 
+from gdn_pass._logging import logger
 from gdn_pass.vllm import compat, rows
 
 __all__ = ["GDN", "REGISTRY", "StateBuilder", "entry_of", "installed"]
@@ -67,16 +68,10 @@ class StateBuilder:
 
     def builder_class(self) -> type | None:
         """The installed vLLM's class, or None where this release has no such builder."""
-        try:
-            return getattr(importlib.import_module(f"vllm.{self.module}"), self.class_name)
-        except (ImportError, AttributeError):
-            return None
+        return _class_of(self.module, self.class_name)
 
     def metadata_cls(self) -> type | None:
-        try:
-            return getattr(importlib.import_module(f"vllm.{self.module}"), self.metadata_class)
-        except (ImportError, AttributeError):
-            return None
+        return _class_of(self.module, self.metadata_class)
 
     def stands_down(self, vllm_config) -> str | None:
         """Why this engine needs no guard for this builder, or None where it does.
@@ -116,6 +111,17 @@ class StateBuilder:
             return [f"vllm.{self.module}.{self.metadata_class}"]
         fields = compat.fields_of(cls)
         return [f"{self.metadata_class}.{name}" for name in self.metadata_fields if name not in fields]
+
+
+def _class_of(module: str, name: str) -> type | None:
+    """``vllm.<module>.<name>``, or None. Runs in the plugin at every engine's start, so nothing a
+    module of some platform or release raises on import may escape (its builder is then absent)."""
+    try:
+        return getattr(importlib.import_module(f"vllm.{module}"), name)
+    except Exception as exc:  # noqa: BLE001 - see above
+        if not isinstance(exc, (ImportError, AttributeError)):
+            logger.debug("gdn-pass: vllm.%s did not import (%r); its builder is not hooked", module, exc)
+        return None
 
 
 _GDN_MODELS = ("Qwen3-Next, Qwen3.5, OLMo-hybrid, InternS2-Mobius, Bailing-MoE-v3, Kimi-Linear "
