@@ -137,16 +137,10 @@ def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed
     cls = entry.builder_class()
     if cls is None:
         pytest.skip(f"vLLM {compat.vllm_version()} has no Kimi-K3 KDA builder")
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    from tests.vllm.test_metadata_hook import LAYERS
-
     monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
-    metadata_hook.install()
     config = vllm_config(configured=True)
     caches = bind_poisoned_caches(config)
-    spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
-    builder = cls(spec, LAYERS, config, torch.device("cpu"))
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False, cls=cls)
     metadata = builder.build(0, _bug_step_as_the_runner_sends_it())
     if REROUTES:
         assert metadata.num_prefills == 1 and not hasattr(metadata, ROWS_ATTR)

@@ -158,8 +158,8 @@ def vllm_config(*, configured: bool, by_name: bool = False):
     return VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
 
 
-def new_builder(config, *, like_0_26: bool, monkeypatch, acting: bool = True):
-    """A real GDN builder. ``acting``: on releases where vLLM reroutes fresh rows itself (0.31+)
+def new_builder(config, *, like_0_26: bool, monkeypatch, acting: bool = True, cls=None):
+    """A real GDN builder (or ``cls``, a subclass of it). ``acting``: on releases where vLLM reroutes fresh rows itself (0.31+)
     the GDN entry stands down on CPU; the hook's mechanics are then tested as in an engine where
     it acts (vLLM's V1 runner with FULL CUDA graphs, ``builders.StateBuilder.stands_down``)."""
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -178,7 +178,7 @@ def new_builder(config, *, like_0_26: bool, monkeypatch, acting: bool = True):
     spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
 
-    builder = GDNAttentionMetadataBuilder(spec, LAYERS, config, torch.device("cpu"))
+    builder = (cls or GDNAttentionMetadataBuilder)(spec, LAYERS, config, torch.device("cpu"))
     if like_0_26:
         for attr in ("device", "layer_names"):
             builder.__dict__.pop(attr, None)
