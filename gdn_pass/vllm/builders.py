@@ -170,11 +170,16 @@ GDN = REGISTRY[0]  # the builder of every layer behind compat.CORE_OPS
 
 
 def _reroute_holds(vllm_config) -> str | None:
-    """Where vLLM's own reroute keeps fresh rows off the decode kernels: how; None where it does not."""
+    """Where vLLM's own reroute keeps fresh rows off the decode kernels: how; None where it does not.
+
+    ``vllm_config`` may be None: asked at compile time where vLLM set no current config.
+    """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cuda_alike():
         return "and this platform replays no CUDA graphs"
+    if vllm_config is None:  # no engine config in sight: cannot tell, so act
+        return None
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if mode is None or not mode.has_full_cudagraphs():
         return "and this engine captures no FULL CUDA graphs"

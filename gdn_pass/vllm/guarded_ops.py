@@ -45,15 +45,16 @@ def guarded_overload(op: torch._ops.OpOverload, spec: OpaqueStateOp) -> torch._o
 def stand_down_reason(spec: OpaqueStateOp) -> str | None:
     """Why the compiled graph's op needs no twin (vLLM fixed its builder in this engine), or None.
 
-    Asked by the pass at compile time, where vLLM has set its config; with
-    no config in sight the op is guarded (the twin is correct either way).
+    Asked by the pass at compile time, with vLLM's current config where it has
+    set one (vLLM's CPU compile sets none; the platform decides there). Where
+    it cannot tell, the op is guarded; the twin passes through if the builder
+    then stands down.
     """
     from vllm.config import get_current_vllm_config_or_none
 
     from gdn_pass.vllm.builders import GDN
 
-    config = get_current_vllm_config_or_none()
-    return None if config is None else GDN.stands_down(config)
+    return GDN.stands_down(get_current_vllm_config_or_none())
 
 
 def _schema_tail(op: torch._ops.OpOverload) -> str:
