@@ -425,20 +425,16 @@ def fields_of(cls) -> set[str]:
     return set(getattr(cls, "__annotations__", {}))
 
 
-def check_supported(context: BuilderContext, build, entry=None) -> None:
+def check_supported(context: BuilderContext, build, entry) -> None:
     """Raise UnsupportedVLLM, naming what is missing, if rows cannot be staged here.
 
     Called when a state builder is constructed in an engine that configured
     GDNStatePass: at engine start, never inside a step. ``build`` is the
     builder's own ``build`` (before any wrapper); ``entry`` its registry entry
-    (``builders.StateBuilder``; the GDN builder's where None).
+    (``builders.StateBuilder``).
     """
     from vllm.v1.attention import backend
 
-    if entry is None:
-        from gdn_pass.vllm.builders import REGISTRY as entries
-
-        entry = entries[0]
     check_release()
     missing = entry.layout_problems()
     common = backend.CommonAttentionMetadata
