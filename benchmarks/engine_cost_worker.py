@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import os
 
-from vllm.v1.attention.backends import gdn_attn
+from vllm.v1.attention.backends import gdn_attn, linear_attn
 
 from gdn_pass.examples.step_trace import fill_caches
 
@@ -37,17 +37,27 @@ if os.environ.get("GDN_PASS_BENCH_FUSED") == "1":
     _FUSED = fused_decode.install_if_asked()
 
 _switch = {"split": False, "runner": False}
-_split = gdn_attn.split_decodes_and_prefills
+# The line goes into every builder module with the bug: GDN's, and the Lightning builders'
+# (Bailing's ``build`` has the same split and the same ``num_prefills == 0`` staging).
+_SPLIT_MODULES = (gdn_attn, linear_attn)
 
-if not getattr(_split, "switchable", False):
-    @functools.wraps(_split)
-    def _switchable_split(*args, **kwargs):
+
+def _switchable(split):
+    if getattr(split, "switchable", False):
+        return split
+
+    @functools.wraps(split)
+    def switchable_split(*args, **kwargs):
         if _switch["split"]:
             kwargs["treat_short_extends_as_decodes"] = False
-        return _split(*args, **kwargs)
+        return split(*args, **kwargs)
 
-    _switchable_split.switchable = True
-    gdn_attn.split_decodes_and_prefills = _switchable_split
+    switchable_split.switchable = True
+    return switchable_split
+
+
+for _module in _SPLIT_MODULES:
+    _module.split_decodes_and_prefills = _switchable(_module.split_decodes_and_prefills)
 
 
 def _prefilling_rows(runner) -> bool:
@@ -75,7 +85,7 @@ class BenchWorker:
             model_runner._is_uniform_decode = is_uniform_decode
             model_runner._bench_uniform_wrapped = True
         _switch.update(split=bool(split), runner=bool(runner))
-        return bool(getattr(gdn_attn.split_decodes_and_prefills, "switchable", False))
+        return all(getattr(m.split_decodes_and_prefills, "switchable", False) for m in _SPLIT_MODULES)
 
     def fused_installed(self) -> bool:
         """Is the fused decode path (``benchmarks/fused_decode.py``) installed in this worker?"""

@@ -164,7 +164,8 @@ def main() -> int:
     def write() -> str:
         with written:
             done = sorted(rows, key=lambda s: (args.configs.index(s["config"]), s["seed"]))
-            text = table(done, f"Scheduling fuzz ({where}, tiny Qwen3-Next, bf16"
+            text = table(done, f"Scheduling fuzz ({where}, tiny checkpoints "
+                               f"({', '.join(sorted({CONFIG_CHECKPOINT.get(c, 'qwen3_next') for c in args.configs}))}), bf16"
                                f"{', tensor_parallel_size=' + str(args.tp) if args.tp > 1 else ''})",
                          "python benchmarks/fuzz_scheduling.py " + " ".join(sys.argv[1:]), time.time() - start)
             missing = [f"{c}/s{s}" for c, s in cases

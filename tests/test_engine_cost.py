@@ -36,3 +36,13 @@ def test_the_config_loads_as_qwen3_next(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.AutoConfig.from_pretrained(write_model("qwen3-next-80b", 12, tmp_path))
     assert config.model_type == "qwen3_next" and config.num_experts == 512
+
+
+def test_bailing_2048_is_a_bailing_hybrid_at_the_same_scale(tmp_path):
+    config = json.loads((write_model("bailing-2048", 12, tmp_path) / "config.json").read_text())
+    assert config["model_type"] == "bailing_hybrid" and config["architectures"] == ["BailingMoeV2_5ForCausalLM"]
+    assert config["num_hidden_layers"] == 12 and config["layer_group_size"] == 4  # every 4th layer MLA
+    assert (config["hidden_size"], config["num_attention_heads"], config["head_dim"]) == (2048, 16, 128)
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (512, 10, 512)
+    # its config class beside config.json (loaded with trust_remote_code), no weights (dummy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "configuration_bailing_linear.py"]

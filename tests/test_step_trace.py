@@ -41,6 +41,23 @@ def test_speculative_rows_by_mask_and_padding_not_counted():
     assert kinds["fresh_prefill"] == 0
 
 
+def test_lightning_metadata_paths_decodes_first_spec_by_slot_columns():
+    # Lightning builders (vLLM linear_attn) put decodes first; with MTP their decode
+    # slots have one column per token (1 + k): those rows run the speculative kernel
+    from types import SimpleNamespace
+
+    from gdn_pass.examples.step_trace import metadata_row_paths
+
+    plain = SimpleNamespace(num_decodes=2, num_prefills=1, state_indices_tensor=torch.tensor([3, 4, 5]))
+    assert metadata_row_paths(plain, 3) == ["decode", "decode", "prefill"]
+    spec = SimpleNamespace(num_decodes=2, num_prefills=0, state_indices_tensor_d=torch.tensor([[1, 2], [3, 4]]))
+    assert metadata_row_paths(spec, 2) == ["spec", "spec"]
+    kinds = row_kinds(query_lens=[2, 2], num_computed_tokens=[0, 9], paths=metadata_row_paths(spec, 2))
+    assert kinds["fresh_decode"] == 1 and kinds["spec"] == 2
+    gdn = SimpleNamespace(num_decodes=1, spec_sequence_masks=None)
+    assert metadata_row_paths(gdn, 2) == ["decode", "prefill"]
+
+
 # --- deliberate breaks for diagnostic fuzz runs (GDN_FUZZ_MUTATION) ----------------
 
 import pytest  # noqa: E402

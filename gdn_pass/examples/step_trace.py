@@ -11,8 +11,9 @@ it into every worker, and the driver asks each rank through
     ...engine steps...
     llm.collective_rpc("gdn_trace_summary")    # one dict per rank
 
-Per step it records the rows of one GDN builder (every GDN group sees the
-same requests) and, where the runner has it, the CUDA-graph dispatch of that
+Per step it records the rows of one recurrent-state builder (the first of
+the registry's builders, ``gdn_pass.vllm.builders``, to build a step: every
+group sees the same requests) and, where the runner has it, the CUDA-graph dispatch of that
 step (mode, real and padded token counts). ``gdn_zero_caches`` zeroes the
 worker's caches, which is how the fuzz's reference engine starts each prompt
 from a fresh engine's state. Test instrumentation only: the plugin itself
@@ -35,7 +36,7 @@ import functools
 import os
 from collections import Counter
 
-__all__ = ["StepTrace", "row_kinds", "row_paths", "fill_caches"]
+__all__ = ["StepTrace", "row_kinds", "row_paths", "metadata_row_paths", "fill_caches"]
 
 _ACTIVE: dict = {}
 
@@ -57,6 +58,32 @@ def row_paths(spec_rows: list[bool], num_decodes: int) -> list[str]:
         paths.append("decode" if non_spec < num_decodes else "prefill")
         non_spec += 1
     return paths
+
+
+def metadata_row_paths(md, num_reqs: int) -> list[str]:
+    """Each row's kernel path, read from one builder's metadata (GDN's or Lightning's).
+
+    GDN metadata marks speculative rows by ``spec_sequence_masks`` (``row_paths``).
+    The Lightning builders (``linear_attn``) put their decodes first: the first
+    ``num_decodes`` rows run the decode kernel, or the speculative decode kernel
+    where ``state_indices_tensor_d`` has a slot column per draft token, and
+    the rest the prefill kernel.
+    """
+    if hasattr(md, "spec_sequence_masks"):
+        mask = md.spec_sequence_masks
+        spec_rows = [False] * num_reqs if mask is None else [bool(x) for x in mask[:num_reqs].cpu().tolist()]
+        return row_paths(spec_rows, md.num_decodes)
+    slots_d = getattr(md, "state_indices_tensor_d", None)
+    decode = "spec" if slots_d is not None and slots_d.dim() == 2 else "decode"
+    decodes = min(int(md.num_decodes), num_reqs)
+    return [decode] * decodes + ["prefill"] * (num_reqs - decodes)
+
+
+def _state_slots(md):
+    """The per-row state slots of a non-speculative step (GDN's or Lightning's field name)."""
+    if hasattr(md, "non_spec_state_indices_tensor"):
+        return md.non_spec_state_indices_tensor
+    return getattr(md, "state_indices_tensor", None)
 
 
 def row_kinds(query_lens, num_computed_tokens, paths: list[str]) -> Counter:
@@ -115,49 +142,65 @@ class StepTrace:
         state["runner"] = getattr(self, "model_runner", None)
         if _ACTIVE.get("installed"):
             return True
-        builder_class = compat.builder_class()
-        original_build = builder_class.build
+        from gdn_pass.vllm import builders
 
-        @functools.wraps(original_build)
-        def build(builder, *args, **kwargs):
-            md = original_build(builder, *args, **kwargs)
+        def hook(builder_class) -> None:
+            original_build = builder_class.build
+
+            @functools.wraps(original_build)
+            def build(builder, *args, **kwargs):
+                # A subclass's build may call its base's: record the outermost call only.
+                outermost = not state.get("in_build")
+                state["in_build"] = True
+                try:
+                    md = original_build(builder, *args, **kwargs)
+                finally:
+                    state["in_build"] = not outermost
+                if outermost:
+                    record(builder, original_build, args, kwargs, md)
+                return md
+
+            builder_class.build = build
+
+        def record(builder, original_build, args, kwargs, md) -> None:
             if state["builder"] is None:
                 state["builder"] = id(builder)
-            if id(builder) == state["builder"]:
-                m = compat.build_inputs(original_build, builder, args, kwargs)
-                qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
-                computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
-                slots = md.non_spec_state_indices_tensor
-                mask = getattr(md, "spec_sequence_masks", None)
-                spec_rows = ([False] * m.num_reqs if mask is None
-                             else [bool(x) for x in mask[: m.num_reqs].cpu().tolist()])
-                paths = row_paths(spec_rows, md.num_decodes)
-                state["steps"].append(dict(
-                    rows=row_kinds(qlens.tolist(), computed.tolist(), paths),
-                    real_rows=int((qlens > 0).sum()),
-                    slot_rows=None if slots is None else int(slots.shape[0]),
-                    dispatch=state["dispatch"]))
-                ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
-                # The kernel path of each fresh one-token row (the last time it was fresh: a
-                # request preempted before its first token is fresh again when resumed).
-                # ``one_token_paths`` says whether the step had prefills (the kernels, hence the
-                # numerics, of the fuzz's reference); ``fresh_reads`` which fresh rows the
-                # builder put on a path that reads their slot (the rows a guard acts on).
-                for rid, c, q, path in zip(ids, computed.tolist(), qlens.tolist(), paths):
-                    if c == 0 and q == 1:
-                        state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
-                    if c == 0 and q > 0 and path != "prefill":
-                        state["fresh_reads"][rid] = path
-                if state["detail"]:
-                    all_slots = [] if slots is None else slots.tolist()
-                    state["steps"][-1]["detail"] = dict(
-                        req_ids=ids[: m.num_reqs], query_lens=qlens.tolist(), computed=computed.tolist(),
-                        slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills,
-                        dispatch=state["dispatch"])
-                state["dispatch"] = None
-            return md
+            if id(builder) != state["builder"]:
+                return
+            m = compat.build_inputs(original_build, builder, args, kwargs)
+            qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
+            computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
+            slots = _state_slots(md)
+            paths = metadata_row_paths(md, m.num_reqs)
+            state["steps"].append(dict(
+                rows=row_kinds(qlens.tolist(), computed.tolist(), paths),
+                real_rows=int((qlens > 0).sum()),
+                slot_rows=None if slots is None else int(slots.shape[0]),
+                dispatch=state["dispatch"]))
+            ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
+            # The kernel path of each fresh one-token row (the last time it was fresh: a
+            # request preempted before its first token is fresh again when resumed).
+            # ``one_token_paths`` says whether the step had prefills (the kernels, hence the
+            # numerics, of the fuzz's reference); ``fresh_reads`` which fresh rows the
+            # builder put on a path that reads their slot (the rows a guard acts on).
+            for rid, c, q, path in zip(ids, computed.tolist(), qlens.tolist(), paths):
+                if c == 0 and q == 1:
+                    state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
+                if c == 0 and q > 0 and path != "prefill":
+                    state["fresh_reads"][rid] = path
+            if state["detail"]:
+                all_slots = [] if slots is None else slots.tolist()
+                state["steps"][-1]["detail"] = dict(
+                    req_ids=ids[: m.num_reqs], query_lens=qlens.tolist(), computed=computed.tolist(),
+                    slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills,
+                    dispatch=state["dispatch"])
+            state["dispatch"] = None
 
-        builder_class.build = build
+        # Every registered builder this vLLM has (a subclass with an entry of its own
+        # is hooked where it defines ``build``); the first to build a step is traced.
+        for _entry, builder_class in builders.installed():
+            if "build" in vars(builder_class):
+                hook(builder_class)
         runner = getattr(self, "model_runner", None)
         decide = getattr(runner, "_determine_batch_execution_and_padding", None)
         if decide is not None:
