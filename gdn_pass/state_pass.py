@@ -22,20 +22,20 @@ not wrapped again. A graph with no GDN layer is left unchanged and reported.
 from __future__ import annotations
 
 import hashlib
-import importlib
 import inspect
 import json
 import logging
+import sys
 import time
 from typing import Any
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from gdn_pass import opaque_ops, report as report_mod
+from gdn_pass import gated_reads, opaque_ops, report as report_mod, state_reads
 from gdn_pass.gated_reads import GateBuilder
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP
+from gdn_pass.opaque_ops import ENGINES, KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP
 from gdn_pass.report import PassReport, StateRead
 from gdn_pass.state_reads import find_state_gathers
 from inductor_ext import gated_gather
@@ -46,22 +46,9 @@ from gdn_pass._logging import logger
 
 GUARDED_NAMESPACE = "gdn_pass"
 
-# Which module makes guarded variants of an engine's ops, by op namespace.
-_GUARD_PROVIDERS = {"vllm": "gdn_pass.vllm.guarded_ops"}
-
-# Modules whose source decides what the pass does to a graph (uuid input).
-_BEHAVIOUR_MODULES = (
-    "gdn_pass.state_pass",
-    "gdn_pass.state_reads",
-    "gdn_pass.gated_reads",
-    "inductor_ext.gated_gather",
-    "gdn_pass.opaque_ops",
-    "gdn_pass.vllm.compat",
-    "gdn_pass.vllm.builders",
-    "gdn_pass.vllm.guarded_ops",
-    "gdn_pass.vllm.state_guard",
-    "gdn_pass.vllm.piecewise",
-)
+# Core modules whose source decides what the pass does to a graph (uuid input);
+# each registered engine adapter adds its own (``opaque_ops.EngineAdapter.behaviour``).
+_BEHAVIOUR_MODULES = (sys.modules[__name__], state_reads, gated_reads, gated_gather, opaque_ops)
 
 _AUTO_FUNCTIONALIZED = tuple(
     getattr(torch.ops.higher_order, name)
@@ -84,7 +71,8 @@ class GDNStatePass(CustomGraphPass):
             (fresh and padding rows never touch memory); when False, or when
             the lowering cannot be registered, with ``where`` after a gather
             at a safe index. The report says which ran.
-        guard_opaque_ops: swap known engine GDN core ops for guarded variants.
+        guard_opaque_ops: swap known engine GDN core ops for guarded variants
+            (the ops of the registered engine adapters: ``opaque_ops.register_engine``).
         report_dir: where each graph's report is written (JSON + text); the
             environment variable ``GDN_PASS_REPORT_DIR`` is used when unset.
             Not part of ``uuid()``: it does not change the compiled graph.
@@ -121,8 +109,8 @@ class GDNStatePass(CustomGraphPass):
         hasher = hashlib.sha256()
         hasher.update(f"{type(self).__module__}.{type(self).__qualname__}".encode())
         hasher.update(json.dumps(self.options(), sort_keys=True).encode())
-        for name in _BEHAVIOUR_MODULES:
-            hasher.update(inspect.getsource(importlib.import_module(name)).encode())
+        for module in _behaviour_modules():
+            hasher.update(inspect.getsource(module).encode())
         return hasher.hexdigest()
 
     def __repr__(self) -> str:
@@ -206,10 +194,19 @@ class GDNStatePass(CustomGraphPass):
         if namespace == GUARDED_NAMESPACE:
             read.action, read.reason = "already_guarded", "node already calls a guarded op"
             return read
+        engine = ENGINES.get(namespace)
+        if engine is None:
+            read.reason = (
+                f"no engine adapter is registered for the {namespace!r} op namespace, so its GDN/KDA "
+                "core ops are neither known nor guarded: import the engine's adapter (gdn_pass.vllm "
+                "for vLLM; its GDNStatePass and plugin import it) before the pass runs"
+            )
+            logger.warning("%s left unguarded: no engine adapter registered for %r", qualname, namespace)
+            return read
         if spec is None:
             read.reason = (
-                "unknown op whose name suggests GDN/KDA state; add it to "
-                "gdn_pass.opaque_ops.KNOWN_OPAQUE_STATE_OPS once its state access is known"
+                f"unknown op whose name suggests GDN/KDA state; add it to {engine.name}'s "
+                "op table once its state access is known"
             )
             logger.warning("%s left unguarded: not a known GDN core op", qualname)
             return read
@@ -224,12 +221,11 @@ class GDNStatePass(CustomGraphPass):
         if not self.guard_opaque_ops:
             read.reason = "guard_opaque_ops=False"
             return read
-        provider = importlib.import_module(_GUARD_PROVIDERS[namespace])
-        stand_down = provider.stand_down_reason(spec)
+        stand_down = engine.guards.stand_down_reason(spec)
         if stand_down is not None:
             read.reason = f"not needed: {stand_down}"
             return read
-        guarded = provider.guarded_overload(op, spec)
+        guarded = engine.guards.guarded_overload(op, spec)
         if node.target in _AUTO_FUNCTIONALIZED:
             node.args = (guarded, *node.args[1:])
         else:
@@ -240,8 +236,19 @@ class GDNStatePass(CustomGraphPass):
         return read
 
 
+def _behaviour_modules():
+    yield from _BEHAVIOUR_MODULES
+    for engine in ENGINES.values():
+        yield from engine.behaviour
+
+
 def _opaque_op_calls(graph: torch.fx.Graph):
-    """(node, op) for every call of a known or GDN-looking op, direct or wrapped."""
+    """(node, op) for every call of a known or GDN-looking op, direct or wrapped.
+
+    GDN-looking ops are looked for in the namespaces of the registered engine
+    adapters and the guarded ops' own; with no adapter registered, in every
+    namespace, so that an engine graph run without its adapter is reported.
+    """
     for node in graph.nodes:
         if node.op != "call_function":
             continue
@@ -255,7 +262,7 @@ def _opaque_op_calls(graph: torch.fx.Graph):
         qualname = op.name()
         namespace, _, name = qualname.partition("::")
         if qualname in KNOWN_OPAQUE_STATE_OPS or (
-            namespace in (*_GUARD_PROVIDERS, GUARDED_NAMESPACE) and LOOKS_LIKE_STATE_OP.search(name)
+            (not ENGINES or namespace in (*ENGINES, GUARDED_NAMESPACE)) and LOOKS_LIKE_STATE_OP.search(name)
         ):
             yield node, op
 

@@ -45,6 +45,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP, schema_mismatch
+
 __all__ = [
     "BuilderContext",
     "CORE_OPS",
@@ -350,9 +352,9 @@ CORE_OPS: tuple[CoreOp, ...] = (
             "layer_name"), "0.28-0.31", family="kda"),
 )
 
-# Ops we do not know but whose names say they carry GDN/KDA state. No vllm::
-# op of 0.26-0.31 matches without being in CORE_OPS (tests/vllm/test_compat.py).
-LOOKS_LIKE_STATE_OP = re.compile(r"gdn|kda|gated_delta|delta_rule", re.IGNORECASE)
+# No vllm:: op of 0.26-0.31 whose name says it carries GDN/KDA state
+# (LOOKS_LIKE_STATE_OP, the core's) is missing from CORE_OPS (tests/vllm/test_compat.py).
+# The adapter registers them with the core pass in ``registration``.
 
 
 def _registered_vllm_ops() -> list[str]:
@@ -365,8 +367,6 @@ def core_op_problems() -> list[str]:
     Empty when every registered op that looks like one is known, with the
     known schema.
     """
-    from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
-
     problems = []
     for qualname in _registered_vllm_ops():
         name = qualname.split("::", 1)[1]

@@ -1,6 +1,11 @@
-"""The rewrite of vLLM's opaque GDN core ops, on hand-built post-grad graphs."""
+"""The rewrite of vLLM's opaque GDN core ops, on hand-built post-grad graphs; the adapter's
+registration of them with the core pass."""
 
+import importlib
 import logging
+import subprocess
+import sys
+import textwrap
 
 import pytest
 import torch
@@ -118,3 +123,61 @@ def test_unknown_gdn_looking_op_is_reported():
     (read,) = gdn_pass.reports()[0].reads
     assert read.action == "left_alone" and read.op == "vllm::gdn_pass_test_future_gdn_core"
     assert "unknown op" in read.reason
+
+
+# --- the adapter's registration with the core (gdn_pass.vllm.registration) ------------
+
+
+def test_the_core_pass_guards_vllm_ops_once_the_adapter_is_imported():
+    g = gdn_graph(2)
+    gdn_pass.clear_reports()
+    gdn_pass.GDNStatePass()(g)  # the core class: the ops are known through the registry
+    assert targets(g) == ["gdn_pass::guarded_cpu_gdn_attention_core"] * 2
+    assert gdn_pass.reports()[0].guarded_per_op() == {"vllm::cpu_gdn_attention_core": 2}
+
+
+def test_without_the_adapter_vllm_ops_are_reported_not_skipped(monkeypatch):
+    for namespace in list(opaque_ops.ENGINES):
+        monkeypatch.delitem(opaque_ops.ENGINES, namespace)
+    for qualname in list(opaque_ops.KNOWN_OPAQUE_STATE_OPS):
+        monkeypatch.delitem(opaque_ops.KNOWN_OPAQUE_STATE_OPS, qualname)
+    g = gdn_graph(1)
+    before = str(g)
+    gdn_pass.clear_reports()
+    gdn_pass.GDNStatePass()(g)
+    assert str(g) == before
+    (read,) = gdn_pass.reports()[0].left_alone
+    assert read.op == "vllm::cpu_gdn_attention_core" and read.layer == "model.layers.0.linear_attn"
+    assert "no engine adapter is registered for the 'vllm' op namespace" in read.reason
+
+
+def test_the_plugin_entry_point_registers_the_adapter():
+    # What vLLM's plugin loader does, in a process where nothing else imported the adapter.
+    code = textwrap.dedent("""
+        import gdn_pass
+        from gdn_pass import opaque_ops
+        assert not opaque_ops.ENGINES, opaque_ops.ENGINES
+        from gdn_pass.vllm.plugin import register
+        from gdn_pass.vllm import compat
+        assert set(opaque_ops.ENGINES) == {"vllm"}
+        assert opaque_ops.KNOWN_OPAQUE_STATE_OPS == {
+            op.qualname: opaque_ops.OpaqueStateOp(op.qualname, op.arg_names, op.layer_arg, op.family)
+            for op in compat.CORE_OPS}
+        print("ok")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("module", ["compat", "builders", "guarded_ops", "state_guard", "piecewise"])
+def test_uuid_follows_the_adapters_source(module, monkeypatch):
+    import inspect
+
+    from gdn_pass import state_pass
+
+    changed = importlib.import_module(f"gdn_pass.vllm.{module}")
+    before = GDNStatePass().uuid()
+    getsource = inspect.getsource
+    monkeypatch.setattr(state_pass.inspect, "getsource",
+                        lambda m: getsource(m) + ("# edited" if m is changed else ""))
+    assert GDNStatePass().uuid() != before
