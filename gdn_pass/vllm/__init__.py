@@ -12,19 +12,9 @@ the adapter's share of the pass's cache key with the core pass
 from __future__ import annotations
 
 from gdn_pass.vllm import registration as _registration  # noqa: F401  (registers the adapter)
+from gdn_pass.vllm.plugin import install
 
 __all__ = ["GDNStatePass", "install"]
-
-
-def install() -> None:
-    """Install gdn-pass's vLLM hooks in this process (idempotent): the per-row
-    metadata hook, and the guard for GDN core ops that piecewise compilation
-    splits out of the compiled graphs."""
-    from gdn_pass.vllm import guarded_ops, metadata_hook, piecewise
-
-    guarded_ops.define_on_lookup()
-    metadata_hook.install()
-    piecewise.install()
 
 
 def __getattr__(name):

@@ -39,6 +39,7 @@ import torch
 
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard
+from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.rows import HostRows, gdn_rows
 from gdn_pass.vllm.state_guard import CACHES_ATTR, DECODE_ROWS_ATTR, HOST_FRESH_ATTR, ROWS_ATTR
 from gdn_pass.vllm.zero_rows import CacheTable
@@ -174,8 +175,6 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
     vllm_config = kwargs.get("vllm_config") or next(
         (a for a in args if hasattr(a, "compilation_config")), None)
     try:
-        from gdn_pass.vllm.gdn_state_pass import configured_pass
-
         configured = configured_pass(vllm_config.compilation_config) is not None
     except Exception as exc:  # noqa: BLE001 - no pass could have been configured: run as is
         logger.debug("gdn-pass: %s not recorded (%r)", entry.class_name, exc)
@@ -271,8 +270,6 @@ def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Te
 
 def _warn_about_mode(vllm_config, configured: bool) -> None:
     """Say once per process when the plugin is installed but not asked to guard."""
-    from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
-
     if not configured:
         _warn_once(
             "unconfigured",

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextvars
 import functools
 
+from gdn_pass.vllm.configured import configured_pass
+
 __all__ = ["install", "is_installed"]
 
 _MARK = "__gdn_pass_wrapped__"
@@ -77,8 +79,6 @@ def install() -> bool:
 
 
 def _configured_pass(vllm_config):
-    from gdn_pass.vllm.gdn_state_pass import configured_pass
-
     if vllm_config is None:
         return None
     return configured_pass(vllm_config.compilation_config)

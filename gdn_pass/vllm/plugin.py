@@ -5,12 +5,26 @@ acts only when GDNStatePass is configured), nothing else. It does not add
 GDNStatePass to the compilation config on its own: a pass that rewrites the
 compiled graph and changes cache keys should be asked for where the engine is
 configured, so the one line in ``compilation_config`` stays the single switch.
+
+Importing it imports ``gdn_pass.vllm``, which registers the adapter's ops with
+the core pass (``gdn_pass.vllm.registration``).
 """
 
 from __future__ import annotations
 
+__all__ = ["install", "register"]
+
+
+def install() -> None:
+    """Install gdn-pass's vLLM hooks in this process (idempotent): the per-row
+    metadata hook, and the guard for GDN core ops that piecewise compilation
+    splits out of the compiled graphs."""
+    from gdn_pass.vllm import guarded_ops, metadata_hook, piecewise
+
+    guarded_ops.define_on_lookup()
+    metadata_hook.install()
+    piecewise.install()
+
 
 def register() -> None:
-    from gdn_pass.vllm import install
-
     install()

@@ -10,7 +10,8 @@ namespace, after this module has been imported. So importing this module
 binds the pass there too; a resolver that imports the module properly finds
 it here. Either way the engine gets this one ``GDNStatePass`` object
 (an ``InductorPass``, used as is) under the hook the key names, and the
-plugin recognises it exactly as an object passed in Python.
+plugin recognises it exactly as an object passed in Python (and by its name,
+published in ``gdn_pass.vllm.configured``).
 
 Reports go where ``GDN_PASS_REPORT_DIR`` says, as for any GDNStatePass
 without a ``report_dir``.
@@ -19,7 +20,9 @@ without a ``report_dir``.
 from __future__ import annotations
 
 import gdn_pass
-from gdn_pass.vllm.gdn_state_pass import SERVE_PASS, GDNStatePass
+from gdn_pass.vllm import configured
+from gdn_pass.vllm.configured import SERVE_PASS
+from gdn_pass.vllm.gdn_state_pass import GDNStatePass
 
 __all__ = ["GDN_STATE_PASS"]
 
@@ -28,3 +31,4 @@ GDN_STATE_PASS = GDNStatePass()
 _name = SERVE_PASS.rsplit(".", 1)[1]
 assert SERVE_PASS == f"{__name__}.{_name}"
 setattr(gdn_pass, _name, GDN_STATE_PASS)
+configured.publish(SERVE_PASS, GDN_STATE_PASS)
