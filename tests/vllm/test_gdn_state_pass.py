@@ -128,12 +128,18 @@ def test_unknown_gdn_looking_op_is_reported():
 # --- the adapter's registration with the core (gdn_pass.vllm.registration) ------------
 
 
-def test_the_core_pass_guards_vllm_ops_once_the_adapter_is_imported():
-    g = gdn_graph(2)
-    gdn_pass.clear_reports()
-    gdn_pass.GDNStatePass()(g)  # the core class: the ops are known through the registry
-    assert targets(g) == ["gdn_pass::guarded_cpu_gdn_attention_core"] * 2
-    assert gdn_pass.reports()[0].guarded_per_op() == {"vllm::cpu_gdn_attention_core": 2}
+def test_the_core_pass_treats_vllm_ops_as_the_vllm_pass_does_once_the_adapter_is_imported():
+    # The core class knows the ops through the registry: guarded, or stood down on 0.31+ CPU.
+    done = []
+    for pass_ in (GDNStatePass(), gdn_pass.GDNStatePass()):
+        g = gdn_graph(2)
+        gdn_pass.clear_reports()
+        pass_(g)
+        (report,) = gdn_pass.reports()
+        done.append((targets(g), [(r.op, r.action, r.reason) for r in report.reads]))
+    assert done[0] == done[1]
+    assert [op for op, _, _ in done[1][1]] == ["vllm::cpu_gdn_attention_core"] * 2
+    assert all(action == "guarded_op" or reason.startswith("not needed") for _, action, reason in done[1][1])
 
 
 def test_without_the_adapter_vllm_ops_are_reported_not_skipped(monkeypatch):
