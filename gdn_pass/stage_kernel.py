@@ -21,6 +21,9 @@ the device; outputs ``[max_rows]`` (bool, bool, bool, bool, int64), rows
 ``n .. max_rows-1`` padding. No host sync: the flags
 copy does not wait for the stream (measured: ``StagedRowMetadata._fused_stage``)
 and nothing is read back.
+
+The kernel is ``gdn_pass._stage_kernels.stage_rows_kernel``; it and Triton are
+imported on the first launch, so this module imports where Triton does not.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 __all__ = ["stage_rows_fused", "row_flags"]
 
 _BLOCK = 1024
-_kernel = None
+_kernel = None  # _stage_kernels.stage_rows_kernel, once launched
 
 
 def row_flags(query_lens: torch.Tensor, num_computed_tokens: torch.Tensor) -> torch.Tensor:
@@ -57,10 +60,29 @@ def stage_rows_fused(
     fresh: torch.Tensor,
     state_slot: torch.Tensor,
 ) -> None:
-    """Write the five ``[max_rows]`` buffers from ``flags`` and the slots (see the module docstring)."""
+    """Write the five ``[max_rows]`` buffers from ``flags`` and the slots, in one launch.
+
+    Args (all tensors on one CUDA device; the outputs are written in place):
+        flags: ``[n]`` uint8, contiguous, from ``row_flags``: bit 0 the row runs tokens,
+            bit 1 it has computed tokens.
+        slots: ``[n]`` integer (int32 or int64), any stride: each row's state slot.
+        zero_start_rows: ``(start, stop)``, ``0 <= start <= stop <= n``: rows whose
+            kernels start from zero state by themselves (vLLM's prefill path),
+            never fresh; ``(0, 0)``: none.
+        pad_slot_ids: ``(pad0, pad1)``: the padding sentinels (pass one twice
+            if there is only one); a padding row's ``state_slot`` is ``pad0``.
+        has_initial_state, valid, reads_state, fresh: ``[max_rows]`` bool, contiguous, out.
+        state_slot: ``[max_rows]`` int64, contiguous, out.
+
+    Guarantees: rows ``n .. max_rows - 1`` come out as padding (all False, slot
+    ``pad0``), as the module docstring defines each buffer; no host sync, and
+    nothing but the five outputs is written. Triton is imported on the first call.
+    """
     global _kernel
     if _kernel is None:
-        _kernel = _build_kernel()
+        from gdn_pass import _stage_kernels  # imports Triton
+
+        _kernel = _stage_kernels.stage_rows_kernel
     n = flags.numel()
     max_rows = state_slot.numel()
     grid = ((max_rows + _BLOCK - 1) // _BLOCK,)
@@ -69,30 +91,3 @@ def stage_rows_fused(
         zero_start_rows[0], zero_start_rows[1], pad_slot_ids[0], pad_slot_ids[1],
         has_initial_state, valid, reads_state, fresh, state_slot, BLOCK=_BLOCK,
     )
-
-
-def _build_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def stage_rows(flags_ptr, slots_ptr, slot_stride, n, max_rows,
-                   zero_start, zero_stop, pad0, pad1,
-                   has_init_ptr, valid_ptr, reads_ptr, fresh_ptr, slot_out_ptr, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        in_buffer = rows < max_rows
-        real = rows < n
-        flags = tl.load(flags_ptr + rows, mask=real, other=0).to(tl.int32)
-        slot = tl.load(slots_ptr + rows.to(tl.int64) * slot_stride, mask=real, other=pad0).to(tl.int64)
-        is_pad_slot = (slot == pad0) | (slot == pad1)
-        valid = real & ((flags & 1) != 0) & (is_pad_slot == 0)
-        has_init = real & ((flags & 2) != 0)
-        starts_from_zero = (rows >= zero_start) & (rows < zero_stop)
-        fresh = valid & (has_init == 0) & (starts_from_zero == 0)
-        tl.store(has_init_ptr + rows, has_init, mask=in_buffer)
-        tl.store(valid_ptr + rows, valid, mask=in_buffer)
-        tl.store(reads_ptr + rows, valid & has_init, mask=in_buffer)
-        tl.store(fresh_ptr + rows, fresh, mask=in_buffer)
-        tl.store(slot_out_ptr + rows, tl.where(valid, slot, slot * 0 + pad0), mask=in_buffer)
-
-    return stage_rows

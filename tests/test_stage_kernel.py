@@ -7,6 +7,7 @@ on the device). The reference is written from the definitions in
 implementation.
 """
 
+import importlib
 import random
 
 import pytest
@@ -34,12 +35,22 @@ def naive_stage(query_lens, computed, slots, zero_start_rows, max_rows, pads):
     return out
 
 
-@pytest.fixture
-def interpreted(monkeypatch):
-    """Build the kernel for Triton's CPU interpreter, and drop it afterwards."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(stage_kernel, "_kernel", None)
-    yield
+@pytest.fixture(scope="module")
+def interpreted():
+    """The kernel module defined again for Triton's CPU interpreter, and again compiled afterwards.
+
+    ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so the module
+    is reloaded with it set; ``stage_rows_fused`` picks the kernel up on its
+    next launch.
+    """
+    from gdn_pass import _stage_kernels
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TRITON_INTERPRET", "1")
+        importlib.reload(_stage_kernels)
+        stage_kernel._kernel = None
+        yield
+    importlib.reload(_stage_kernels)
     stage_kernel._kernel = None
 
 
