@@ -1,7 +1,29 @@
-"""The Triton kernels of ``zero_rows_all`` and ``zero_new_rows_all`` (imported on first use)."""
+"""The Triton kernels of ``zero_rows.zero_rows``, ``zero_rows_all`` and ``zero_new_rows_all``.
+
+Imports Triton: ``zero_rows`` imports this module on its first CUDA launch,
+never when ``gdn_pass.vllm`` is imported (CPU engines may lack Triton).
+``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so a process
+that wants the CPU interpreter sets it before this module is imported.
+"""
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def zero_fresh_rows_kernel(cache_ptr, slot_ptr, fresh_ptr, slot_stride, slot_numel, per_slice,
+                           BLOCK: tl.constexpr):
+    """Grid ``(max_rows, slices)``: program ``(row, part)`` zeroes that part of a fresh row's slot."""
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    slot = tl.load(slot_ptr + row).to(tl.int64)
+    if tl.load(fresh_ptr + row).to(tl.int1) & (slot >= 0):  # -1: a padding sentinel
+        start = part * per_slice
+        end = tl.minimum(start + per_slice, slot_numel)
+        zeros = tl.zeros([BLOCK], dtype=cache_ptr.dtype.element_ty)
+        for offset in range(start, end, BLOCK):
+            offs = offset + tl.arange(0, BLOCK)
+            tl.store(cache_ptr + slot * slot_stride + offs, zeros, mask=offs < end)
 
 
 @triton.jit
@@ -33,8 +55,9 @@ def zero_chunks(table_ptr, slot_ptr, slot_stride, rows, flags, num_caches, chunk
 
 
 @triton.jit
-def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, num_rows, num_caches, chunks, chunk_words,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def zero_fresh_rows_all_kernel(table_ptr, slot_ptr, fresh_ptr, num_rows, num_caches, chunks, chunk_words,
+                               ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(programs,)``: ``zero_chunks`` for the rows whose ``fresh`` is set."""
     rows = tl.arange(0, ROWS)
     flags = tl.load(fresh_ptr + rows, mask=rows < num_rows, other=0)
     flags = (flags != 0).to(tl.int32)
@@ -43,8 +66,9 @@ def zero_fresh_rows_all(table_ptr, slot_ptr, fresh_ptr, num_rows, num_caches, ch
 
 # Row counts and the slot stride vary from step to step: one compiled kernel for all of them.
 @triton.jit(do_not_specialize=["slot_stride", "num_rows"])
-def zero_new_rows_all(table_ptr, slot_ptr, slot_stride, query_start_ptr, seq_lens_ptr, num_rows, num_caches,
-                      chunks, chunk_words, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, query_start_ptr, seq_lens_ptr, num_rows,
+                             num_caches, chunks, chunk_words, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(programs,)``: ``zero_chunks`` for the rows that run tokens, all of them new."""
     rows = tl.arange(0, ROWS)
     inside = rows < num_rows
     starts = tl.load(query_start_ptr + rows, mask=inside, other=0)

@@ -31,6 +31,9 @@ wave of programs that read ``fresh`` and exit.
 ``zero_new_rows_all`` is the same launch with ``fresh`` derived in the kernel
 from vLLM's own per-row lengths (a row whose tokens are all new), for steps
 whose rows read vLLM's ``non_spec_state_indices_tensor``: nothing to stage.
+
+The kernels are in ``gdn_pass.vllm._zero_kernels``; it and Triton are imported
+on the first CUDA launch, so this module imports where Triton does not.
 """
 
 from __future__ import annotations
@@ -47,6 +50,22 @@ _SLICES = 16
 
 
 def zero_rows(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> None:
+    """Zero ``cache[slot[b]]`` for every fresh row ``b`` whose slot is not negative.
+
+    Args:
+        cache: ``[num_slots, *S]``, any dtype, on CUDA or CPU; modified in place.
+        slot: ``[max_rows]`` integer, contiguous, on the cache's device: each row's slot.
+        fresh: ``[max_rows]`` bool, contiguous, on the cache's device.
+
+    Guarantees: every element of a fresh row's slot becomes zero; nothing
+    else in ``cache`` is written (not the memory past a slot when the slot
+    stride exceeds it). CUDA with dense slots (``_dense_slots``): one launch
+    whose grid depends only on ``max_rows`` and the cache's shape, no host
+    sync, capturable in a CUDA graph. CPU, or CUDA slots that are not dense:
+    the fresh slots are selected by boolean indexing and zeroed with
+    ``index_fill_`` (a host sync on CUDA); inside CUDA-graph capture the latter
+    raises ``RuntimeError`` instead.
+    """
     if cache.is_cuda and _dense_slots(cache):
         _zero_rows_triton(cache, slot, fresh)
         return
@@ -73,38 +92,22 @@ def _dense_slots(cache: torch.Tensor) -> bool:
     return True
 
 
-_kernel = None
+_kernel = None  # _zero_kernels.zero_fresh_rows_kernel, once launched
 
 
 def _zero_rows_triton(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> None:
+    """``zero_rows`` in one launch, for a CUDA ``cache [num_slots, *S]`` with dense slots.
+
+    ``slot`` / ``fresh``: ``[max_rows]``, contiguous, as ``zero_rows``. Grid
+    ``(max_rows, slices)``: up to ``_SLICES`` programs per row share its slot.
+    """
     global _kernel
     if _kernel is None:
-        _kernel = _build_kernel()
+        _kernel = _kernels().zero_fresh_rows_kernel
     slot_numel = cache[0].numel()
     slices = min(_SLICES, (slot_numel + _BLOCK - 1) // _BLOCK)
     per_slice = (slot_numel + slices - 1) // slices
     _kernel[(slot.numel(), slices)](cache, slot, fresh, cache.stride(0), slot_numel, per_slice, BLOCK=_BLOCK)
-
-
-def _build_kernel():
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def zero_fresh_rows(cache_ptr, slot_ptr, fresh_ptr, slot_stride, slot_numel, per_slice,
-                        BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        part = tl.program_id(1)
-        slot = tl.load(slot_ptr + row).to(tl.int64)
-        if tl.load(fresh_ptr + row).to(tl.int1) & (slot >= 0):  # -1: a padding sentinel
-            start = part * per_slice
-            end = tl.minimum(start + per_slice, slot_numel)
-            zeros = tl.zeros([BLOCK], dtype=cache_ptr.dtype.element_ty)
-            for offset in range(start, end, BLOCK):
-                offs = offset + tl.arange(0, BLOCK)
-                tl.store(cache_ptr + slot * slot_stride + offs, zeros, mask=offs < end)
-
-    return zero_fresh_rows
 
 
 class CacheTable:
@@ -140,12 +143,19 @@ class CacheTable:
 def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) -> None:
     """``zero_rows`` on every cache of ``table``, in one launch.
 
-    ``slot`` / ``fresh``: ``[max_rows]``, as staged. The grid depends only on
-    the device, so a captured launch serves every later step.
+    Args:
+        table: a ``CacheTable`` of CUDA caches (``table.table [num_caches, 3]`` int64).
+        slot: ``[max_rows]`` integer, contiguous, on the caches' device: each row's slot.
+        fresh: ``[max_rows]`` bool, on the caches' device.
+
+    Guarantees: as ``zero_rows`` for each cache (a fresh row's slot all zero
+    in every cache, nothing else written, a negative slot writes nothing); no
+    host sync; the grid depends only on the device, so a captured launch serves
+    every later step. ``ValueError`` when ``slot`` and ``fresh`` differ in rows.
     """
     global _multi_kernel
     if _multi_kernel is None:
-        _multi_kernel = _build_multi_kernel()
+        _multi_kernel = _kernels().zero_fresh_rows_all_kernel
     rows = slot.numel()
     if fresh.numel() != rows:
         raise ValueError(f"fresh has {fresh.numel()} rows, slot {rows}")
@@ -155,7 +165,7 @@ def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) ->
         ROWS=max(16, 1 << (rows - 1).bit_length()), BLOCK=_BLOCK)
 
 
-_multi_kernel = None
+_multi_kernel = None  # _zero_kernels.zero_fresh_rows_all_kernel, once launched
 # A work item zeroes this many 4-byte words of one slot: 64 KiB, so a 2 MiB
 # recurrent slot is 32 items spread over the GPU, and a small conv slot one.
 _CHUNK_WORDS = 16384
@@ -179,17 +189,24 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
         query_len[r] = query_start_loc[r + 1] - query_start_loc[r]
         fresh[r]     = r < num_rows and 0 < query_len[r] == seq_lens[r]
 
-    ``slot``: ``[>= num_rows]`` integer, any stride (vLLM's ``non_spec_state_indices_tensor``),
-    ``query_start_loc``: ``[>= num_rows + 1]``, ``seq_lens``: ``[>= num_rows]``,
-    integers on the caches' device. Nothing is staged or copied: under FULL CUDA
-    graphs the captured launch reads vLLM's persistent buffers, which vLLM refreshes
-    before each replay (padding rows run no tokens). ``max_rows`` (at least
-    ``num_rows``) fixes the kernel's row block, so that steps of any size share
-    one compiled kernel.
+    Args:
+        table: a ``CacheTable`` of CUDA caches.
+        slot: ``[>= num_rows]`` integer, any stride (vLLM's ``non_spec_state_indices_tensor``).
+        query_start_loc: ``[>= num_rows + 1]`` integer, contiguous.
+        seq_lens: ``[>= num_rows]`` integer, contiguous.
+        num_rows: the step's rows (an int on the host).
+        max_rows: at least ``num_rows``; fixes the kernel's row block, so that
+            steps of any size share one compiled kernel.
+
+    Tensors on the caches' device. Guarantees: as ``zero_rows_all`` for the
+    fresh rows above. Nothing is staged or copied: under FULL CUDA graphs the
+    captured launch reads vLLM's persistent buffers, which vLLM refreshes
+    before each replay (padding rows run no tokens). ``ValueError`` when a
+    tensor is not 1-D or the rows do not fit ``max_rows`` or the tensors.
     """
     global _new_rows_kernel
     if _new_rows_kernel is None:
-        _new_rows_kernel = _build_multi_kernel(from_lengths=True)
+        _new_rows_kernel = _kernels().zero_new_rows_all_kernel
     if (slot.dim(), query_start_loc.dim(), seq_lens.dim()) != (1, 1, 1) or not 0 <= num_rows <= min(
             max_rows, slot.numel(), seq_lens.numel(), query_start_loc.numel() - 1):
         raise ValueError(
@@ -201,11 +218,11 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
         ROWS=max(16, 1 << (max_rows - 1).bit_length()), BLOCK=_BLOCK)
 
 
-_new_rows_kernel = None
+_new_rows_kernel = None  # _zero_kernels.zero_new_rows_all_kernel, once launched
 
 
-def _build_multi_kernel(from_lengths: bool = False):
-    # Triton is imported only when a CUDA step first zeroes (CPU engines may lack it).
+def _kernels():
+    """The kernel module, imported on the first launch: it imports Triton, which CPU engines may lack."""
     from gdn_pass.vllm import _zero_kernels
 
-    return _zero_kernels.zero_new_rows_all if from_lengths else _zero_kernels.zero_fresh_rows_all
+    return _zero_kernels
