@@ -42,7 +42,7 @@ def worker(args) -> None:
                 spent.append(time.perf_counter() - start)
 
     compile_fx_module.compile_fx = timed
-    from gdn_pass.examples.vllm_scenarios import make_llm
+    from gdn_pass.vllm.scenarios import make_llm
 
     start = time.perf_counter()
     make_llm(args.model, guard=args.hook is not None, report_dir=args.report_dir,
@@ -69,7 +69,7 @@ def main() -> int:
     import vllm
 
     from gdn_pass import load_reports
-    from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+    from harness.tiny_checkpoints import write_checkpoint
 
     tmp = Path(tempfile.mkdtemp(prefix="gdn_compile_time_"))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_DISABLE_COMPILE_CACHE": "1",

@@ -108,8 +108,8 @@ DIMS = ("qwen3-next-80b", "bailing-2048", "tiny", "bailing-tiny")
 def write_model(dims: str, layers: int, out: Path) -> Path:
     """A model directory: Qwen3-Next-80B's layer dimensions or Bailing-MoE-v2.5's at that scale
     (config only, dummy weights), or the tests' tiny checkpoint of either."""
-    from gdn_pass.examples.families.bailing_linear import BAILING_MOE_V2_5_CONFIG, EXTRA_FILES
-    from gdn_pass.examples.tiny_checkpoints import QWEN3_NEXT_CONFIG, write_checkpoint
+    from harness.families.bailing_linear import BAILING_MOE_V2_5_CONFIG, EXTRA_FILES
+    from harness.tiny_checkpoints import QWEN3_NEXT_CONFIG, write_checkpoint
 
     if dims == "tiny":
         return write_checkpoint("qwen3_next", out, seed=0)
@@ -183,7 +183,7 @@ class Engine:
     """One engine (plain or gdn-pass) and the measurements it runs, in its own process."""
 
     def __init__(self, spec: dict):
-        from gdn_pass.examples.vllm_scenarios import make_llm
+        from gdn_pass.vllm.scenarios import make_llm
 
         self.name = spec["engine"]
         self.guarded = self.name in ("gdn-pass", FUSED)

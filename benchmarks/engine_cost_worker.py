@@ -26,7 +26,7 @@ import os
 
 from vllm.v1.attention.backends import gdn_attn, linear_attn
 
-from gdn_pass.examples.step_trace import fill_caches
+from harness.step_trace import fill_caches
 
 # The fused engine's environment asks for its decode path here, at import: vLLM
 # imports this module when it creates the worker, before it captures CUDA graphs.

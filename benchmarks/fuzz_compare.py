@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz import CONFIG_STREAM, engine_settings, make_stream  # noqa: E402
-from gdn_pass.examples.fuzz_judge import fresh_reads, perturbed_by_pass  # noqa: E402
+from harness.fuzz import CONFIG_STREAM, engine_settings, make_stream  # noqa: E402
+from harness.fuzz_judge import fresh_reads, perturbed_by_pass  # noqa: E402
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz_judge import fresh_reads, perturbed_by_pass  # noqa: E402
+from harness.fuzz_judge import fresh_reads, perturbed_by_pass  # noqa: E402
 
 
 def _rid(engine_id: str) -> str:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz import CONFIG_STREAM, engine_settings, make_stream  # noqa: E402
-from gdn_pass.examples.fuzz_judge import (base_key, classify_resumed, first_token_mismatch,  # noqa: E402
+from harness.fuzz import CONFIG_STREAM, engine_settings, make_stream  # noqa: E402
+from harness.fuzz_judge import (base_key, classify_resumed, first_token_mismatch,  # noqa: E402
                                           fresh_reads, one_token_paths, perturbed_by_pass, resume_points)
 
 

@@ -1,6 +1,6 @@
 """Long scheduling fuzz on real vLLM: requests, fresh one-token steps, mismatches off/on.
 
-Runs ``gdn_pass.examples.fuzz`` for several seeds and configurations on the
+Runs ``harness.fuzz`` for several seeds and configurations on the
 tiny seeded checkpoints, and writes a table.
 
     python benchmarks/fuzz_scheduling.py --seeds 0 1 2 --requests 200 [--out benchmarks/results]
@@ -23,9 +23,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gdn_pass.examples.fuzz import CONFIG_CHECKPOINT, ENGINE_CONFIGS, GPU_ENGINE_CONFIGS, fuzz  # noqa: E402
-from gdn_pass.examples.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL  # noqa: E402
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from harness.fuzz import CONFIG_CHECKPOINT, ENGINE_CONFIGS, GPU_ENGINE_CONFIGS, fuzz  # noqa: E402
+from harness.fuzz_judge import DRIFT_TOL, NEAR_TIE_TOL  # noqa: E402
+from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 # What vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md), per engine.
 GPU_ENGINE = dict(kv_cache_memory_bytes=268435456, gpu_memory_utilization=0.05,
@@ -54,7 +54,7 @@ def table(rows: list[dict], title: str, command: str, wall: float) -> str:
         f"Mismatch: a greedy token differs from the prompt run alone on fresh state where the "
         f"reference's top two tokens were more than {NEAR_TIE_TOL} apart in logprob, or a logprob "
         f"differs by more than {DRIFT_TOL}. A differing token at a closer tie is a near tie "
-        f"(batch-shape numerics; `gdn_pass/examples/fuzz.py`). After a preemption, a request is "
+        f"(batch-shape numerics; `harness/fuzz.py`). After a preemption, a request is "
         f"compared with its prompt and the tokens it had, run alone (vLLM recomputes exactly that). "
         f"Step counts are rank 0's. 'Logprobs changed by the pass': requests the guard never acted on "
         f"(every one but the fresh one-token rows run as decodes) whose pass-on logprobs differ at all "
@@ -118,7 +118,7 @@ def main() -> int:
                          '(e.g. \'{"enforce_eager": true}\' to tell CUDA-graph effects apart)')
     ap.add_argument("--guards", nargs="+", default=["off", "on"],
                     help="stream runs: off, on, and on+MUTATION (the pass on, broken on purpose: "
-                         "gdn_pass/examples/step_trace.py)")
+                         "harness/step_trace.py)")
     ap.add_argument("--trace-detail", action="store_true",
                     help="keep every step's rows in the raw stream results (benchmarks/fuzz_locate.py)")
     ap.add_argument("--workdir", default="artifacts/fuzz_long")

@@ -28,8 +28,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_graph_timing import capture, replay_ms  # noqa: E402
-from gdn_pass.examples.gdn_runner import GDNRunner, make_batch  # noqa: E402
-from gdn_pass.examples.torch_gdn import QWEN3_NEXT_SHAPE, TorchGDNLayer  # noqa: E402
+from gdn_pass.checker.gdn_runner import GDNRunner, make_batch  # noqa: E402
+from gdn_pass.checker.torch_gdn import QWEN3_NEXT_SHAPE, TorchGDNLayer  # noqa: E402
 
 NUM_SLOTS = 1024
 

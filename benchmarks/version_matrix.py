@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import gdn_pass
-from gdn_pass.examples.demo import run_demo
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+from gdn_pass.checker.demo import run_demo
+from harness.tiny_checkpoints import write_checkpoint
 
 RESULTS = Path(__file__).parent / "results"
 sys.path.insert(0, str(Path(__file__).parents[1]))

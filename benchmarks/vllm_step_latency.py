@@ -33,7 +33,7 @@ DECODING = 4
 def worker(args) -> None:
     from vllm import SamplingParams
 
-    from gdn_pass.examples.vllm_scenarios import make_llm
+    from gdn_pass.vllm.scenarios import make_llm
 
     llm = make_llm(args.model, guard=args.guard, max_num_seqs=DECODING + max(FRESH_COUNTS),
                    num_gpu_blocks_override=None, max_model_len=512)
@@ -59,7 +59,7 @@ def worker(args) -> None:
 
 
 def driver(args) -> None:
-    from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+    from harness.tiny_checkpoints import write_checkpoint
 
     work = Path(tempfile.mkdtemp(prefix="gdn-pass-latency-"))
     engines = {"0.30 off": (sys.executable, False), "0.30 on": (sys.executable, True),

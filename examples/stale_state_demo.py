@@ -8,7 +8,7 @@ and runs this; ``gdn-pass demo`` is the same).
 
 import sys
 
-from gdn_pass.examples.demo import main
+from gdn_pass.checker.demo import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ padding row's sentinel slot alone, and prints the pass's report.
 import torch
 
 import gdn_pass
-from gdn_pass.examples.torch_gdn import GDNShape, TorchGDNLayer
+from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
 
 layer = TorchGDNLayer(GDNShape(hidden=64, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16))
 conv, ssm = layer.new_caches(num_slots=8)

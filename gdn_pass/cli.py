@@ -39,7 +39,7 @@ def resolve_model(name: str, workdir: Path) -> tuple[str, Path | None]:
     if name in TORCH_MODELS:
         return "torch", None
     if name in BUNDLED_VLLM:
-        from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+        from gdn_pass.checker.checkpoints import write_checkpoint
 
         folder = workdir / name
         if not (folder / "config.json").exists():
@@ -64,7 +64,7 @@ def require_vllm() -> None:
 
 
 def run_vllm(scenario, guard, model, workdir, *, name, extra=()):
-    from gdn_pass.examples.demo import run_scenario
+    from gdn_pass.checker.demo import run_scenario
 
     progress(f"{name}: starting a vLLM engine (compiles the model; about a minute on CPU) ...")
     start = time.time()
@@ -108,8 +108,8 @@ def _torch_gdn_reports(dump_dir: Path | None, guard: bool = True):
     import torch
 
     from gdn_pass import clear_reports, reports
-    from gdn_pass.examples.gdn_runner import GDNRunner, make_batch
-    from gdn_pass.examples.torch_gdn import GDNShape, TorchGDNLayer
+    from gdn_pass.checker.gdn_runner import GDNRunner, make_batch
+    from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
 
     clear_reports()
     torch._dynamo.reset()
@@ -195,7 +195,7 @@ def _first_difference(reference, candidate) -> str:
 
 
 def _check_vllm(model: Path, workdir: Path, engine_args: list[str] = ()):
-    from gdn_pass.examples.demo import compare
+    from gdn_pass.checker.demo import compare
 
     require_vllm()
     rows = []
@@ -226,9 +226,9 @@ def _check_torch():
 
     import torch
 
-    from gdn_pass.examples.gdn_runner import GDNRunner, make_batch
-    from gdn_pass.examples.poison_oracle import check, poison_caches
-    from gdn_pass.examples.torch_gdn import GDNShape, TorchGDNLayer
+    from gdn_pass.checker.gdn_runner import GDNRunner, make_batch
+    from gdn_pass.checker.poison_oracle import check, poison_caches
+    from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
 
     shape = GDNShape(hidden=64, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16)
     layer = TorchGDNLayer(shape, seed=1)
@@ -264,7 +264,7 @@ def _check_torch():
 # -- demo --------------------------------------------------------------------
 def cmd_demo(args) -> int:
     require_vllm()
-    from gdn_pass.examples import demo
+    from gdn_pass.checker import demo
 
     sys.argv = ["gdn-pass demo", "--workdir", args.workdir or "artifacts/demo",
                 *(a for item in args.engine_arg for a in ("--engine-arg", item))]

@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from gdn_pass.examples.coverage import BEGIN, END, render
+from harness.coverage import BEGIN, END, render
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -13,7 +13,7 @@ def test_readme_table_is_rendered_from_recorded_results():
     readme = (ROOT / "README.md").read_text()
     table = readme.split(BEGIN, 1)[1].split(END, 1)[0].strip()
     assert table == render(recorded).strip(), (
-        "README coverage table is stale: python -m gdn_pass.examples.coverage "
+        "README coverage table is stale: python -m harness.coverage "
         "benchmarks/results/coverage.json --readme README.md")
 
 

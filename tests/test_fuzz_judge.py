@@ -1,4 +1,4 @@
-"""gdn_pass.examples.fuzz_judge: how the fuzz judges one request against its reference (no engine).
+"""harness.fuzz_judge: how the fuzz judges one request against its reference (no engine).
 
 Hand-written results: what counts as a match, a near tie (a differing token
 where the reference's top two were within NEAR_TIE_TOL) and a mismatch, and
@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from gdn_pass.examples.fuzz import FuzzRequest
-from gdn_pass.examples.fuzz_judge import (DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, first_token_mismatch,
+from harness.fuzz import FuzzRequest
+from harness.fuzz_judge import (DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, first_token_mismatch,
                                           perturbed_by_pass)
 
 

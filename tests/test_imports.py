@@ -1,7 +1,7 @@
 """The package's import structure, read from the source with ``ast`` (nothing is imported).
 
-- No import cycle among the modules of ``gdn_pass/``, ``inductor_ext/`` and
-  ``tests/`` (imports of other trees, ``benchmarks/`` included, are not
+- No import cycle among the modules of ``gdn_pass/``, ``inductor_ext/``,
+  ``harness/`` and ``tests/`` (imports of other trees, ``benchmarks/`` included, are not
   followed). Every import statement is an edge, at module level or inside a
   function (a function-level import is a lazy edge, not a missing one). An
   edge goes to the module named: ``import a.b`` and ``from a import b`` (``b``
@@ -10,8 +10,9 @@
   Python initialises on the way are not edges: a package's ``__init__``
   re-exporting its submodules would otherwise close a cycle with every
   submodule importing a sibling.
-- The core (``gdn_pass/*.py``: not ``gdn_pass/vllm``, not ``gdn_pass/examples``)
-  never imports ``gdn_pass.vllm``: the vLLM adapter registers what the core
+- The core (``gdn_pass/*.py`` but the command line; not ``gdn_pass/vllm``,
+  not the checker ``gdn_pass/checker``, which runs engines) never imports
+  ``gdn_pass.vllm``: the vLLM adapter registers what the core
   needs (``gdn_pass.opaque_ops.register_engine``).
 - The core loads no module of ours by a name string: no ``import_module`` /
   ``__import__`` of one (nor of a computed name), and no string that is a
@@ -23,15 +24,10 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
-TREES = ("gdn_pass", "inductor_ext", "tests")
-
-# gdn_pass/examples is moving out of the package (issue 27, item 1) and is being
-# edited meanwhile; its own cycle (fuzz <-> fuzz_judge) is left to that move.
-EXAMPLES = "gdn_pass.examples"
-KNOWN_EXAMPLES_CYCLES = ({"gdn_pass.examples.fuzz", "gdn_pass.examples.fuzz_judge"},)
+TREES = ("gdn_pass", "inductor_ext", "harness", "tests")
+# What runs the pass rather than being it: the command line and the checker behind it.
+APPLICATION = ("gdn_pass.cli", "gdn_pass.__main__", "gdn_pass.checker")
 
 
 def module_name(path: Path) -> str:
@@ -124,7 +120,8 @@ def within(name: str, package: str) -> bool:
 
 
 def is_core(name: str) -> bool:
-    return within(name, "gdn_pass") and not within(name, "gdn_pass.vllm") and not within(name, EXAMPLES)
+    return (within(name, "gdn_pass") and not within(name, "gdn_pass.vllm")
+            and not any(within(name, app) for app in APPLICATION))
 
 
 def _describe(graph: dict[str, set[str]], component: set[str]) -> str:
@@ -156,16 +153,17 @@ def lazy():
 
 def test_no_import_cycle():
     graph = import_graph()
-    found = [c for c in cycles(graph) if not any(c <= known for known in KNOWN_EXAMPLES_CYCLES)]
+    found = cycles(graph)
     assert not found, "\n".join(_describe(graph, c) for c in found)
 
 
-@pytest.mark.xfail(strict=True, reason="gdn_pass/examples/fuzz.py <-> fuzz_judge.py: broken when "
-                   "examples move out of the package (issue 27, item 1)")
-def test_no_import_cycle_in_examples():
+def test_the_wheel_holds_no_harness():
+    """What only tests and benchmarks use stays out of the package: nothing in it imports ``harness``."""
     graph = import_graph()
-    found = [c for c in cycles(graph) if any(c <= known for known in KNOWN_EXAMPLES_CYCLES)]
-    assert not found, "\n".join(_describe(graph, c) for c in found)
+    bad = sorted(f"{name} -> {target}" for name, targets in graph.items()
+                 if within(name, "gdn_pass") or within(name, "inductor_ext")
+                 for target in targets if within(target, "harness"))
+    assert not bad, bad
 
 
 def test_core_does_not_import_the_vllm_adapter():

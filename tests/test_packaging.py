@@ -38,3 +38,52 @@ def test_no_upper_bound_can_make_pip_downgrade_an_installed_release():
     for requirement in requirements:
         assert all(spec.operator in (">=", ">") for spec in requirement.specifier), requirement
         assert requirement.specifier.contains("99.0.0"), requirement
+
+
+# --- the wheel: what users run, and nothing only the tests use ----------------
+
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import zipfile  # noqa: E402
+
+import pytest  # noqa: E402
+
+ROOT = Path(__file__).parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                    "--wheel-dir", str(out), str(ROOT)], check=True)
+    [built] = out.glob("gdn_pass-*.whl")
+    return built
+
+
+def test_the_wheel_ships_the_product_and_no_harness(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    packages = {n.split("/")[0] for n in names if not n.startswith("gdn_pass-")}
+    assert packages == {"gdn_pass", "inductor_ext"}, packages
+    for shipped in ("gdn_pass/state_pass.py", "gdn_pass/cli.py", "gdn_pass/checker/poison_oracle.py",
+                    "gdn_pass/checker/demo.py", "gdn_pass/vllm/scenarios.py", "inductor_ext/gated_gather.py"):
+        assert shipped in names, shipped
+    test_only = [n for n in names if any(word in n for word in ("fuzz", "families", "step_trace", "benchmark",
+                                                                "tiny_checkpoints", "harness"))]
+    assert not test_only, test_only
+
+
+def test_the_installed_wheel_runs_check_report_and_dump_without_the_checkout(wheel, tmp_path):
+    site = tmp_path / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(site),
+                    str(wheel)], check=True)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    script = ("import gdn_pass, sys; from gdn_pass.cli import main; print(gdn_pass.__file__); "
+              "sys.exit(main(sys.argv[1:]))")
+    work = str(tmp_path / "work")
+    for command in (["check", "torch-gdn", "--workdir", work], ["report", "torch-gdn", "--workdir", work],
+                    ["dump", "torch-gdn", "--out", str(tmp_path / "dumps")]):
+        done = subprocess.run([sys.executable, "-c", script, *command],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        assert done.stdout.splitlines()[0].startswith(str(site)), "ran the checkout, not the wheel"

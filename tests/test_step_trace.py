@@ -1,11 +1,11 @@
-"""gdn_pass.examples.step_trace: one step's rows by kernel path and kind, from vLLM's fields (no engine).
+"""harness.step_trace: one step's rows by kernel path and kind, from vLLM's fields (no engine).
 
 The paths follow vLLM 0.26-0.30's GDN builder: speculative rows by their mask;
 the other rows split by ``split_decodes_and_prefills(m, decode_threshold=1)``,
 which counts the leading rows of at most one token as decodes.
 """
 
-from gdn_pass.examples.step_trace import row_kinds, row_paths
+from harness.step_trace import row_kinds, row_paths
 
 
 def test_fresh_one_token_row_in_a_step_without_prefill_is_the_trigger():
@@ -46,7 +46,7 @@ def test_lightning_metadata_paths_decodes_first_spec_by_slot_columns():
     # slots have one column per token (1 + k): those rows run the speculative kernel
     from types import SimpleNamespace
 
-    from gdn_pass.examples.step_trace import metadata_row_paths
+    from harness.step_trace import metadata_row_paths
 
     plain = SimpleNamespace(num_decodes=2, num_prefills=1, state_indices_tensor=torch.tensor([3, 4, 5]))
     assert metadata_row_paths(plain, 3) == ["decode", "decode", "prefill"]
@@ -63,7 +63,7 @@ def test_lightning_metadata_paths_decodes_first_spec_by_slot_columns():
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from gdn_pass.examples import step_trace  # noqa: E402
+from harness import step_trace  # noqa: E402
 from gdn_pass.vllm import state_guard, step_guard  # noqa: E402
 
 

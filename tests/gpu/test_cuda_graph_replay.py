@@ -13,9 +13,9 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 import gdn_pass
-from gdn_pass.examples.gdn_runner import GDNRunner, make_batch
-from gdn_pass.examples.poison_oracle import check_result, poison_caches
-from gdn_pass.examples.torch_gdn import GDNShape, TorchGDNLayer
+from gdn_pass.checker.gdn_runner import GDNRunner, make_batch
+from gdn_pass.checker.poison_oracle import check_result, poison_caches
+from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
 
 SHAPE = GDNShape(hidden=256, num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64)
 NUM_SLOTS = 1024

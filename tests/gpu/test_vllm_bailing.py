@@ -5,7 +5,7 @@ a brand-new one-token request a decode when every row of the step has one
 token (with MTP: up to 1 + k tokens); the decode kernel then reads the
 request's recycled state slot. Each case runs the README scenario in its own
 engine process on a tiny seeded ``BailingMoeV2_5ForCausalLM`` (two Lightning
-layers, one MLA layer; ``gdn_pass.examples.families.bailing_linear``): R1
+layers, one MLA layer; ``harness.families.bailing_linear``): R1
 runs and finishes, R2 keeps decoding, R3 is admitted next to R2 on R1's
 recycled slot. Pass off must diverge from R3 alone in a fresh engine of the
 same mode, pass on must equal it, and R2 must be bitwise the same with and
@@ -33,9 +33,9 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared/gpu-vllm)")
 
-from gdn_pass.examples.demo import compare  # noqa: E402
-from gdn_pass.examples.families import FAMILY_ENGINE_ARGS  # noqa: E402
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from gdn_pass.checker.demo import compare  # noqa: E402
+from harness.families import FAMILY_ENGINE_ARGS  # noqa: E402
+from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 from vllm_engines import LOGPROB_TOL, scenario  # noqa: E402
 
 _MTP = ("--engine-arg", 'speculative_config={"method": "mtp", "num_speculative_tokens": 1}')

@@ -25,8 +25,8 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared/gpu-vllm)")
 
-from gdn_pass.examples.demo import compare  # noqa: E402
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from gdn_pass.checker.demo import compare  # noqa: E402
+from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 from vllm_engines import LOGPROB_TOL, scenario  # noqa: E402
 
 MODES = {  # mode: compilation-config entries

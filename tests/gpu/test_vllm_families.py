@@ -32,10 +32,10 @@ import pytest
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared/gpu-vllm)")
 
-from gdn_pass.examples.coverage import record  # noqa: E402
-from gdn_pass.examples.demo import compare  # noqa: E402
-from gdn_pass.examples.families import FAMILY_ENGINE_ARGS, kind_for_vllm  # noqa: E402
-from gdn_pass.examples.tiny_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
+from harness.coverage import record  # noqa: E402
+from gdn_pass.checker.demo import compare  # noqa: E402
+from harness.families import FAMILY_ENGINE_ARGS, kind_for_vllm  # noqa: E402
+from harness.tiny_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
 from vllm_engines import LOGPROB_TOL, scenario  # noqa: E402
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "interns2_mobius", "olmo_hybrid", "kimi_linear",

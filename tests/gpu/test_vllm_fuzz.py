@@ -2,7 +2,7 @@
 
 Per configuration, ``GDN_PASS_GPU_FUZZ_REQUESTS`` requests (default 2000)
 run with the pass off and on, each compared with its prompt alone on fresh
-state (``gdn_pass/examples/fuzz.py``); the engines of all configurations
+state (``harness/fuzz.py``); the engines of all configurations
 share the GPU. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
 parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps the summaries.
 The benchmark form, which also writes the tables, is
@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 from fuzz_scheduling import GPU_ENGINE, gpu_engine_env  # noqa: E402
 
-from gdn_pass.examples import fuzz as fz  # noqa: E402
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from harness import fuzz as fz  # noqa: E402
+from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 REQUESTS = int(os.environ.get("GDN_PASS_GPU_FUZZ_REQUESTS", "2000"))
 TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))

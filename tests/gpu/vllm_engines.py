@@ -31,7 +31,7 @@ def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, c
              env_extra=None, extra=()) -> dict:
     """Run ``vllm_scenarios`` in a fresh engine process; its result, or its error and log tail."""
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "gdn_pass.examples.vllm_scenarios", scenario, "--model", str(model),
+    cmd = [sys.executable, "-m", "gdn_pass.vllm.scenarios", scenario, "--model", str(model),
            "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
     cmd += [a for item in ENGINE for a in ("--engine-arg", item)]
     cmd += [a for item in compilation for a in ("--compilation-arg", item)]

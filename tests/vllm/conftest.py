@@ -10,7 +10,7 @@ pytest.importorskip("vllm", reason="vLLM is not installed (pip install -e .[vllm
 import torch._functorch.config  # noqa: E402
 import torch._inductor.config  # noqa: E402
 
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint  # noqa: E402
+from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 # Every engine compiles from scratch so that the pass really runs (and writes
 # its report) in each: a cache hit would reuse a graph the pass saw earlier.
@@ -59,7 +59,7 @@ def llama_checkpoint(engine_dir) -> Path:
 @pytest.fixture(scope="session")
 def demo(engine_dir, qwen3_next_checkpoint) -> dict:
     """The README demonstration's three engines, run once per session."""
-    from gdn_pass.examples.demo import run_demo
+    from gdn_pass.checker.demo import run_demo
 
     return run_demo(engine_dir / "demo", model=qwen3_next_checkpoint, python=sys.executable,
                     progress=lambda msg: None)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import gdn_pass
-from gdn_pass.examples.coverage import record
-from gdn_pass.examples.demo import LOGPROB_TOL, run_scenario
+from harness.coverage import record
+from gdn_pass.checker.demo import LOGPROB_TOL, run_scenario
 
 GDN_LAYERS = 3  # tiny Qwen3-Next: layers 0-2 linear attention, layer 3 full attention
 
@@ -74,7 +74,7 @@ NO_GRAPH_MODES = {
 @pytest.mark.parametrize("kind, mode", [("qwen3_next", "enforce_eager"), ("qwen3_5", "enforce_eager"),
                                         ("qwen3_next", "compilation mode NONE")])
 def test_engine_without_a_graph_is_fixed_at_metadata_build(kind, mode, engine_dir):
-    from gdn_pass.examples.demo import run_demo
+    from gdn_pass.checker.demo import run_demo
 
     demo = run_demo(engine_dir / f"no_graph_{kind}_{mode.split()[-1]}", kind=kind, python=sys.executable,
                     progress=lambda msg: None, extra_args=NO_GRAPH_MODES[mode])
@@ -117,7 +117,7 @@ def test_fixed_with_tensor_parallel_2(engine_dir, qwen3_next_checkpoint, monkeyp
     machine has one, so each worker is bound to one core by hand."""
     import os
 
-    from gdn_pass.examples.demo import run_demo
+    from gdn_pass.checker.demo import run_demo
 
     if (os.cpu_count() or 1) < 2:
         pytest.skip("tensor parallel 2 needs at least 2 CPU cores")

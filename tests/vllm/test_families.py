@@ -13,9 +13,9 @@ import sys
 import pytest
 
 import gdn_pass
-from gdn_pass.examples.demo import LOGPROB_TOL, run_demo
-from gdn_pass.examples.families import CPU_LIMITS, E2E_FAMILIES, FAMILY_ENGINE_ARGS
-from gdn_pass.examples.coverage import record
+from gdn_pass.checker.demo import LOGPROB_TOL, run_demo
+from harness.families import CPU_LIMITS, E2E_FAMILIES, FAMILY_ENGINE_ARGS
+from harness.coverage import record
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,12 @@ import torch
 from torch import nn
 
 import gdn_pass
-from gdn_pass.examples.demo import LOGPROB_TOL, run_demo
-from gdn_pass.examples.families import FAMILY_ENGINE_ARGS, kind_for_vllm, prepare_engine_process
-from gdn_pass.examples.families.bailing_moe_v3 import BAILING_MOE_V3_CONFIG
-from gdn_pass.examples.families.kimi_linear import KIMI_LINEAR_CONFIG
-from gdn_pass.examples.tiny_checkpoints import CHECKPOINTS, EXTRA_FILES, write_checkpoint
+from gdn_pass.checker.demo import LOGPROB_TOL, run_demo
+from gdn_pass.vllm.model_loading import prepare_engine_process
+from harness.families import FAMILY_ENGINE_ARGS, kind_for_vllm
+from harness.families.bailing_moe_v3 import BAILING_MOE_V3_CONFIG
+from harness.families.kimi_linear import KIMI_LINEAR_CONFIG
+from harness.tiny_checkpoints import CHECKPOINTS, EXTRA_FILES, write_checkpoint
 
 @pytest.mark.parametrize("kind", sorted(CHECKPOINTS))
 def test_config_parses_and_architecture_is_registered(kind, tmp_path):
@@ -128,7 +129,7 @@ import os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 model, target, drafter = sys.argv[1:4]
 from vllm import LLM, ModelRegistry
-from gdn_pass.examples.families.qwen3_5 import allow_import_without_torchvision
+from gdn_pass.vllm.model_loading import allow_import_without_torchvision
 if allow_import_without_torchvision():
     for arch in (target, drafter):
         ModelRegistry.register_model(arch, ModelRegistry._try_load_model_cls(arch))

@@ -26,7 +26,7 @@ from torch.fx import Graph, GraphModule
 import gdn_pass
 import vllm.forward_context
 import vllm.model_executor.models.bailing_moe_v3 as bailing  # registers the op
-from gdn_pass.examples.coverage import record
+from harness.coverage import record
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
 from gdn_pass.vllm import GDNStatePass

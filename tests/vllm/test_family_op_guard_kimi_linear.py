@@ -27,8 +27,8 @@ from types import SimpleNamespace
 
 import torch
 
-from gdn_pass.examples.coverage import record
-from gdn_pass.examples.families.kimi_linear import KIMI_LINEAR_CONFIG
+from harness.coverage import record
+from harness.families.kimi_linear import KIMI_LINEAR_CONFIG
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS
 from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
 from vllm.config.vllm import DEFAULT_BREAKABLE_CUDAGRAPH_ARCHITECTURES

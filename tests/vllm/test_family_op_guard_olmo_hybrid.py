@@ -14,7 +14,7 @@ the op itself runs (it looks the layer up in the forward context and calls
 ``layer._full_forward``), but the layer is a stand-in whose ``_full_forward``
 does what vLLM's decode path does without Triton: it first records the caches
 as the kernels would find them, then runs the conv update and the gated delta
-rule in plain torch (``gdn_pass.examples.torch_gdn``) on the rows vLLM's
+rule in plain torch (``gdn_pass.checker.torch_gdn``) on the rows vLLM's
 builder classified as decodes, reading and writing their state slots.
 
 The step is the bug's trigger: every row has one token, one of them a brand
@@ -33,8 +33,8 @@ from torch.fx import Graph, GraphModule
 
 import gdn_pass
 import vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn  # noqa: F401  registers the op
-from gdn_pass.examples.coverage import record
-from gdn_pass.examples.torch_gdn import GDNShape, TorchGDNLayer
+from harness.coverage import record
+from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
 from gdn_pass.vllm import GDNStatePass, compat, metadata_hook

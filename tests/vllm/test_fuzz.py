@@ -14,10 +14,10 @@ import sys
 
 import pytest
 
-from gdn_pass.examples import fuzz as fz
-from gdn_pass.examples.fuzz_judge import fresh_reads
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint
-from gdn_pass.examples.vllm_scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
+from harness import fuzz as fz
+from harness.fuzz_judge import fresh_reads
+from harness.tiny_checkpoints import write_checkpoint
+from gdn_pass.vllm.scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
 
 pytestmark = pytest.mark.slow
 

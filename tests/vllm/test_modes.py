@@ -13,9 +13,9 @@ import sys
 import pytest
 
 import gdn_pass
-from gdn_pass.examples.coverage import record
-from gdn_pass.examples.demo import LOGPROB_TOL, compare, run_demo, run_scenario
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+from harness.coverage import record
+from gdn_pass.checker.demo import LOGPROB_TOL, compare, run_demo, run_scenario
+from harness.tiny_checkpoints import write_checkpoint
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 import gdn_pass
-from gdn_pass.examples.demo import run_scenario
+from gdn_pass.checker.demo import run_scenario
 
 pytestmark = pytest.mark.slow
 

@@ -107,7 +107,7 @@ def test_splitting_op_is_guarded_in_the_stitching_graph(known_test_op):
     torch.testing.assert_close(out, torch.full((4,), 3.0))  # 2*1 + zero state + 1
     guarded = [r for rep in gdn_pass.reports() for r in rep.reads if r.action == "guarded_op"]
     assert [(r.op, r.layer) for r in guarded] == [(OP, LAYER)]
-    from gdn_pass.examples.coverage import record
+    from harness.coverage import record
 
     record(TEST_OP_ROW, "VLLM_COMPILE piecewise", status="note", cell="guarded (stitching graph)",
            detail="the stale slot leaks without the pass; vLLM's backend driven on CPU with a test core op")
@@ -139,7 +139,7 @@ FULL_GRAPH_MODES = {
 @pytest.mark.parametrize("mode", FULL_GRAPH_MODES)
 @pytest.mark.parametrize("guard", [False, True])
 def test_full_graph_modes_guard_inside_the_one_graph(known_test_op, inductor_on_cpu, mode, guard):
-    from gdn_pass.examples.coverage import record
+    from harness.coverage import record
 
     gdn_pass.clear_reports()
     config = piecewise_config(guard, backend="inductor", **FULL_GRAPH_MODES[mode])

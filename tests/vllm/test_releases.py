@@ -14,7 +14,7 @@ import subprocess
 
 import pytest
 
-from gdn_pass.examples.demo import LOGPROB_TOL, run_demo
+from gdn_pass.checker.demo import LOGPROB_TOL, run_demo
 
 pytestmark = pytest.mark.slow
 

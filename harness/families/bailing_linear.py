@@ -61,7 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gdn_pass.examples.families.bailing_moe_v3 import bailing_mla, bailing_mlp
+from harness.families.bailing_moe_v3 import bailing_mla, bailing_mlp
 
 CONFIG_MODULE = "configuration_bailing_linear"
 CONFIG_CLASS = "BailingMoeV25TinyConfig"
@@ -128,7 +128,7 @@ _BASE_KEYS = ("architectures", "model_type", "auto_map", "tie_word_embeddings", 
               "pad_token_id", "bos_token_id", "eos_token_id")
 _ATTRIBUTES = "".join(f"\n    {key!r}," for key in BAILING_MOE_V2_5_CONFIG if key not in _BASE_KEYS)
 
-CONFIG_SOURCE = f'''"""Tiny Bailing-MoE-v2.5 config class, from gdn_pass.examples.families.bailing_linear."""
+CONFIG_SOURCE = f'''"""Tiny Bailing-MoE-v2.5 config class, from harness.families.bailing_linear."""
 
 from transformers import PretrainedConfig
 

@@ -21,15 +21,16 @@ fused-conv loader (``_make_fused_conv1d_weight_loader`` in
 with ``None``: ``TypeError: list indices must be integers or slices, not
 NoneType`` (vllm PR #55858, open). No checkpoint layout avoids it (a
 pre-fused ``conv1d.weight`` reaches the same loader without a shard id), so
-:func:`fix_fused_conv1d_weight_loader` applies that PR's fix in the engine
-process, before vLLM builds the model, where the installed vLLM needs it.
+``gdn_pass.vllm.model_loading.fix_fused_conv1d_weight_loader`` applies that
+PR's fix in the engine process, before vLLM builds the model, where the
+installed vLLM needs it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-__all__ = ["OLMO_HYBRID_CONFIG", "CHECKPOINTS", "fix_fused_conv1d_weight_loader"]
+__all__ = ["OLMO_HYBRID_CONFIG", "CHECKPOINTS"]
 
 OLMO_HYBRID_CONFIG = {
     "architectures": ["OlmoHybridForCausalLM"],
@@ -109,54 +110,3 @@ def _olmo_hybrid_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 
 
 CHECKPOINTS = {"olmo_hybrid": (OLMO_HYBRID_CONFIG, _olmo_hybrid_tensors)}
-
-
-_FIXED = "_gdn_pass_reads_tagged_shard_id"
-
-
-def _reads_tagged_shard_id(make_loader) -> bool:
-    """Whether the fused-conv loader ``make_loader`` builds finds a shard id the mapper tagged."""
-    import torch
-
-    param = torch.zeros(4, 1, 2)
-    weight = torch.ones(2, 1, 2)
-    weight.shard_id = 1  # as WeightsMapper.apply tags a mapped tensor
-    try:
-        make_loader([2, 2], 1, 0)(param, weight)  # AutoWeightsLoader's call: no shard id
-    except TypeError:
-        return False
-    return bool(param[:2].eq(0).all() and param[2:].eq(1).all())
-
-
-def fix_fused_conv1d_weight_loader() -> bool:
-    """Let vLLM load OLMo-hybrid's q/k/v short convolutions (vllm PR #55858); True if it patched.
-
-    Wraps ``olmo_gdn_linear_attn._make_fused_conv1d_weight_loader`` so that the
-    loaders it makes fall back to the shard id ``WeightsMapper`` tagged on the
-    tensor when the caller passes none. Call it in the process that builds
-    the model (the engine core: vLLM's default in-process engine, or a
-    ``vllm.general_plugins`` hook for spawned workers) before the engine
-    starts; the layer looks the factory up when it is built. Does nothing
-    where vLLM has no OLMo-hybrid layer or already reads the tag.
-    """
-    try:
-        from vllm.model_executor.layers.mamba.gdn import olmo_gdn_linear_attn as mod
-    except ImportError:
-        return False
-    make_loader = getattr(mod, "_make_fused_conv1d_weight_loader", None)
-    if make_loader is None or getattr(make_loader, _FIXED, False) or _reads_tagged_shard_id(make_loader):
-        return False
-
-    def make_fixed_loader(dims, tp_size, tp_rank):
-        load = make_loader(dims, tp_size, tp_rank)
-
-        def weight_loader(param, loaded_weight, loaded_shard_id=None):
-            if loaded_shard_id is None:
-                loaded_shard_id = getattr(loaded_weight, "shard_id", None)
-            return load(param, loaded_weight, loaded_shard_id)
-
-        return weight_loader
-
-    setattr(make_fixed_loader, _FIXED, True)
-    mod._make_fused_conv1d_weight_loader = make_fixed_loader
-    return True

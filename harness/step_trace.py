@@ -3,7 +3,7 @@
 The GDN builder and the model runner live in the worker processes: in the
 engine's own process with one GPU, in one process per rank with tensor
 parallelism. ``StepTrace`` is given to vLLM as
-``worker_extension_cls="gdn_pass.examples.step_trace.StepTrace"``; vLLM mixes
+``worker_extension_cls="harness.step_trace.StepTrace"``; vLLM mixes
 it into every worker, and the driver asks each rank through
 ``llm.collective_rpc``:
 

@@ -51,7 +51,7 @@ Per-step counts (fresh one-token rows run as decodes, padded CUDA-graph
 replays, row kinds) come from ``step_trace.StepTrace`` inside every worker,
 so they hold with tensor parallelism too.
 
-    python -m gdn_pass.examples.fuzz --model DIR --seed 0 --requests 40 --workdir artifacts/fuzz
+    python -m harness.fuzz --model DIR --seed 0 --requests 40 --workdir artifacts/fuzz
 """
 
 from __future__ import annotations
@@ -67,14 +67,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from gdn_pass.examples.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch,
+from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch,
                                          fresh_reads, one_token_paths, perturbed_by_pass,
                                          resume_points, resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
 
 TOP_LOGPROBS = 5  # the reference's top tokens, to tell a near tie from a real difference
-TRACE_EXTENSION = "gdn_pass.examples.step_trace.StepTrace"
+TRACE_EXTENSION = "harness.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
 _COMPANION = list(range(100, 108))  # one 8-token chunk
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
@@ -336,11 +336,11 @@ def run_stream(llm, stream: list[FuzzRequest], trace_detail: bool = False) -> di
 
 
 def _engine_main(args) -> None:
-    from gdn_pass.examples.vllm_scenarios import make_llm
+    from gdn_pass.vllm.scenarios import make_llm
 
     spec = json.loads(Path(args.spec).read_text())
     if spec.get("mutation"):
-        from gdn_pass.examples import step_trace
+        from harness import step_trace
 
         os.environ[step_trace.MUTATION_ENV] = spec["mutation"]  # worker processes inherit it
         step_trace.apply_mutation(spec["mutation"])  # a worker in this process
@@ -367,7 +367,7 @@ def _start_engine(spec: dict, workdir: Path, name: str, python: str, env_extra: 
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env_extra}
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     f = open(log, "w")
-    proc = subprocess.Popen([python, "-m", "gdn_pass.examples.fuzz", "--engine", "--spec",
+    proc = subprocess.Popen([python, "-m", "harness.fuzz", "--engine", "--spec",
                              str(spec_path), "--out", str(out)], env=env, stdout=f, stderr=subprocess.STDOUT)
     return proc, f, out, log, name
 

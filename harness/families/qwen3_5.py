@@ -44,20 +44,17 @@ from transformers' ``qwen2_vl.image_processing_qwen2_vl``, a module that
 imports ``torchvision.transforms.v2`` at top level (transformers 5.10 to
 5.24). PyPI has only CUDA builds of torchvision, which cannot load next to
 the CPU torch, so the project's environments have none.
-:func:`allow_import_without_torchvision` serves transformers' PIL variant of
-that module instead (same ``smart_resize``); call it in the engine process
-before vLLM loads the model.
+``gdn_pass.vllm.model_loading.allow_import_without_torchvision`` serves
+transformers' PIL variant of that module instead (same ``smart_resize``); the
+scenarios call it in the engine process before vLLM loads the model.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.util
-import sys
 from collections.abc import Iterator
 
-from gdn_pass.examples.families import qwen_layers
+from gdn_pass.checker import qwen_layers
+from harness.families import qwen_vision
 
 _COMMON = {
     "vocab_size": 1024,
@@ -111,7 +108,7 @@ QWEN3_5_MOE_CONFIG = {
 def _multimodal(architecture: str, model_type: str, text: dict, **text_extra) -> dict:
     """The released layout: ``text`` (a text-only config above) under ``text_config``."""
     text_config = {k: v for k, v in text.items() if k not in ("architectures", "torch_dtype")}
-    return qwen_layers.multimodal_config(architecture, model_type, {**text_config, **text_extra})
+    return qwen_vision.multimodal_config(architecture, model_type, {**text_config, **text_extra})
 
 
 QWEN3_5_VL_CONFIG = _multimodal("Qwen3_5ForConditionalGeneration", "qwen3_5", QWEN3_5_CONFIG)
@@ -144,7 +141,7 @@ def _qwen3_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
 def _qwen3_5_vl_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     c = config["text_config"]
     yield from _text_model("model.language_model", c)
-    yield from qwen_layers.vision_tower("model.visual", config["vision_config"])
+    yield from qwen_vision.vision_tower("model.visual", config["vision_config"])
     h = c["hidden_size"]
     for i in range(c.get("mtp_num_hidden_layers", 0)):  # the MTP drafter's layers
         yield from _decoder_layer(f"mtp.layers.{i}", "full_attention", c)
@@ -162,37 +159,3 @@ CHECKPOINTS = {
     "qwen3_5_mtp": (QWEN3_5_MTP_CONFIG, _qwen3_5_vl_tensors),
     "qwen3_5_moe_mtp": (QWEN3_5_MOE_MTP_CONFIG, _qwen3_5_vl_tensors),
 }
-
-
-_TV_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
-
-
-class _PilImageProcessorAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves the torchvision Qwen2-VL image-processor module to its PIL twin."""
-
-    def find_spec(self, name, path=None, target=None):
-        if name != _TV_MODULE:
-            return None
-        return importlib.util.spec_from_loader(name, self)
-
-    def create_module(self, spec):
-        return importlib.import_module(_PIL_MODULE)
-
-    def exec_module(self, module):
-        pass  # already executed by import_module
-
-
-def allow_import_without_torchvision() -> bool:
-    """Let vLLM's Qwen3.5 module import where torchvision is missing; True if installed.
-
-    Does nothing when torchvision is importable (the real module is then
-    used) or when the alias is already in place. Only the import is
-    redirected: text-only Qwen3.5 never runs the image processor.
-    """
-    if importlib.util.find_spec("torchvision") is not None:
-        return False
-    if any(isinstance(f, _PilImageProcessorAlias) for f in sys.meta_path):
-        return True
-    sys.meta_path.insert(0, _PilImageProcessorAlias())
-    return True

@@ -7,7 +7,11 @@ Here each tensor is U(-scale, scale) from its own seed (derived from the
 checkpoint seed and the tensor name), large enough that a different state
 gives different greedy tokens.
 
-    python examples/tiny_checkpoints.py qwen3_next OUT_DIR [--seed 0]
+The bundled kinds are ``qwen3_next`` (``gdn-pass check tiny-qwen3-next``) and
+``llama`` (a model without GDN layers); the test harness registers more
+(``register_checkpoints``: ``harness/tiny_checkpoints.py``).
+
+    python -m gdn_pass.checker.checkpoints qwen3_next OUT_DIR [--seed 0]
 """
 
 from __future__ import annotations
@@ -20,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from gdn_pass.examples.families import qwen_layers
+from gdn_pass.checker import qwen_layers
 
-__all__ = ["QWEN3_NEXT_CONFIG", "QWEN3_NEXT_1K_CONFIG", "LLAMA_CONFIG", "write_checkpoint", "CHECKPOINTS",
-           "EXTRA_FILES"]
+__all__ = ["QWEN3_NEXT_CONFIG", "LLAMA_CONFIG", "CHECKPOINTS", "EXTRA_FILES", "qwen3_next_tensors",
+           "qwen3_next_layer", "register_checkpoints", "write_checkpoint", "write_tokenizer"]
 
 QWEN3_NEXT_CONFIG = {
     "architectures": ["Qwen3NextForCausalLM"],
@@ -87,27 +91,16 @@ LLAMA_CONFIG = {
 }
 
 
-def _qwen3_next_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+def qwen3_next_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, v = c["hidden_size"], c["vocab_size"]
     yield "model.embed_tokens.weight", (v, h)
     yield "model.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
     for i, kind in enumerate(c["layer_types"]):
-        yield from _qwen3_next_layer(f"model.layers.{i}", kind, c)
+        yield from qwen3_next_layer(f"model.layers.{i}", kind, c)
 
 
-def _qwen3_next_mtp_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    """The target model plus its multi-token-prediction head (``mtp.*``)."""
-    yield from _qwen3_next_tensors(c)
-    h = c["hidden_size"]
-    yield "mtp.fc.weight", (h, 2 * h)
-    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
-        yield f"mtp.{norm}.weight", (h,)
-    for i in range(c["num_nextn_predict_layers"]):
-        yield from _qwen3_next_layer(f"mtp.layers.{i}", "full_attention", c)
-
-
-def _qwen3_next_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+def qwen3_next_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     return qwen_layers.decoder_layer(p, kind, c, fused_gdn=True)  # fused in_proj_qkvz / in_proj_ba
 
 
@@ -130,41 +123,9 @@ def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
         yield f"{p}.mlp.down_proj.weight", (h, inter)
 
 
-# A larger Qwen3-Next shape for latency measurements: hidden 1024, 8 layers of
-# which 6 GDN.
-QWEN3_NEXT_1K_CONFIG = {
-    **QWEN3_NEXT_CONFIG,
-    "hidden_size": 1024,
-    "intermediate_size": 2048,
-    "num_hidden_layers": 8,
-    "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 2,
-    "num_attention_heads": 8,
-    "linear_num_key_heads": 4,
-    "linear_num_value_heads": 8,
-    "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512,
-}
-
-# Qwen3-Next with a small GDN state (1 key / 2 value heads of 64): vLLM then
-# sizes the hybrid model's blocks to 128 tokens (384 for QWEN3_NEXT_CONFIG),
-# so prompts of a few hundred tokens hit the prefix cache in "align" mode and
-# requests growing into new blocks get preempted (the scheduling fuzz).
-QWEN3_NEXT_SMALL_STATE_CONFIG = {
-    **QWEN3_NEXT_CONFIG,
-    "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64,
-    "linear_num_key_heads": 1,
-    "linear_num_value_heads": 2,
-}
-
-# Qwen3-Next with one MTP layer, for speculative decoding (method "mtp").
-QWEN3_NEXT_MTP_CONFIG = {**QWEN3_NEXT_CONFIG, "num_nextn_predict_layers": 1}
-
+# kind -> (config, tensor names and shapes)
 CHECKPOINTS = {
-    "qwen3_next": (QWEN3_NEXT_CONFIG, _qwen3_next_tensors),
-    "qwen3_next_mtp": (QWEN3_NEXT_MTP_CONFIG, _qwen3_next_mtp_tensors),
-    "qwen3_next_1k": (QWEN3_NEXT_1K_CONFIG, _qwen3_next_tensors),
-    "qwen3_next_small_state": (QWEN3_NEXT_SMALL_STATE_CONFIG, _qwen3_next_tensors),
+    "qwen3_next": (QWEN3_NEXT_CONFIG, qwen3_next_tensors),
     "llama": (LLAMA_CONFIG, _llama_tensors),
 }
 
@@ -173,18 +134,10 @@ CHECKPOINTS = {
 EXTRA_FILES: dict[str, dict[str, str]] = {}
 
 
-def _merge_families() -> None:
-    import importlib
-
-    from gdn_pass.examples.families import FAMILY_MODULES
-
-    for name in FAMILY_MODULES:
-        module = importlib.import_module(f"gdn_pass.examples.families.{name}")
-        CHECKPOINTS.update(module.CHECKPOINTS)
-        EXTRA_FILES.update(getattr(module, "EXTRA_FILES", {}))
-
-
-_merge_families()
+def register_checkpoints(checkpoints: dict, extra_files: dict | None = None) -> None:
+    """Add kinds (``kind -> (config, tensors)``) and their extra files to what ``write_checkpoint`` writes."""
+    CHECKPOINTS.update(checkpoints)
+    EXTRA_FILES.update(extra_files or {})
 
 
 def _seeded_uniform(name: str, shape: tuple[int, ...], seed: int, scale: float) -> torch.Tensor:

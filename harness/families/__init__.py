@@ -3,20 +3,11 @@
 Each module defines ``CHECKPOINTS = {kind: (config_dict, tensors)}`` where
 ``tensors(config)`` yields ``(name, shape)`` for every tensor of the Hugging
 Face checkpoint, named as vLLM's ``load_weights`` for that architecture
-expects them. ``gdn_pass.examples.tiny_checkpoints`` merges them. A module
+expects them. ``harness.tiny_checkpoints`` registers them. A module
 may also define ``EXTRA_FILES = {kind: {file_name: text}}``, files written
 beside ``config.json`` (``bailing_linear``: its config class, so its
 checkpoints need ``trust_remote_code=True``).
 """
-
-FAMILY_MODULES = (
-    "qwen3_5",
-    "olmo_hybrid",
-    "interns2_mobius",
-    "bailing_moe_v3",
-    "kimi_linear",
-    "bailing_linear",
-)
 
 # Checkpoint kinds the family end-to-end test runs (tests/vllm/test_families.py).
 E2E_FAMILIES = (
@@ -73,25 +64,6 @@ def kind_for_vllm(kind: str, vllm_version: str) -> str | None:
     other = SAME_FAMILY.get(kind)
     return other if other is not None and release >= FIRST_VLLM.get(other, (0, 0)) else None
 
-
-def prepare_engine_process(model: str) -> list[str]:
-    """Fix what the installed vLLM needs to load the checkpoint in ``model``; the fixes applied.
-
-    Call it in the process that builds the model, before the engine starts.
-    Today: OLMo-hybrid's fused short-convolution loader (vllm PR #55858, see
-    :mod:`.olmo_hybrid`), which no vLLM up to 0.30 can load otherwise.
-    """
-    import json
-    from pathlib import Path
-
-    architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures", [])
-    applied = []
-    if "OlmoHybridForCausalLM" in architectures:
-        from gdn_pass.examples.families.olmo_hybrid import fix_fused_conv1d_weight_loader
-
-        if fix_fused_conv1d_weight_loader():
-            applied.append("olmo_hybrid fused conv1d loader (vllm#55858)")
-    return applied
 
 # kind -> substrings of the errors vLLM 0.30's CPU backend raises for it (found
 # in the failed engine's log), one per host kind where they differ. The e2e test
