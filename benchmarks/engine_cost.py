@@ -6,9 +6,6 @@ all three alike:
 
     unguarded    vLLM as is: wrong on fresh rows (vllm#51562), the floor
     gdn-pass     GDNStatePass in the compilation config
-    fused        (--fused) gdn-pass, with vLLM 0.26's decode fast path run by the
-                 project's gated decode kernels (``benchmarks/fused_decode.py``):
-                 fresh rows load no state, and those steps have no zeroing launch
     alternative  the bug report's one line: the GDN builder splits its batch
                  with ``split_decodes_and_prefills(..., treat_short_extends_as_decodes=False)``,
                  so fresh one-token rows take the prefill path, as upstream's fix does;
@@ -71,11 +68,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 VARIANTS = ("unguarded", "gdn-pass", "alternative")
-# --fused adds the fused alternative (benchmarks/fused_decode.py), in an engine of its own:
-# it changes what vLLM captures in its CUDA graphs, so it cannot be switched in a running engine.
-FUSED = "fused"
-ENGINE_OF = {"unguarded": "plain", "alternative": "plain", "one-line-only": "plain", "gdn-pass": "gdn-pass",
-             FUSED: FUSED}
+ENGINE_OF = {"unguarded": "plain", "alternative": "plain", "one-line-only": "plain", "gdn-pass": "gdn-pass"}
 WORKER_EXTENSION = "benchmarks.engine_cost_worker.BenchWorker"
 # the plain engine's switches per variant (engine_cost_worker.BenchWorker.alternative_set)
 SWITCHES = {"unguarded": dict(split=False, runner=False), "alternative": dict(split=True, runner=True),
@@ -186,7 +179,7 @@ class Engine:
         from gdn_pass.vllm.scenarios import make_llm
 
         self.name = spec["engine"]
-        self.guarded = self.name in ("gdn-pass", FUSED)
+        self.guarded = self.name == "gdn-pass"
         args = dict(spec["engine_args"], worker_extension_cls=WORKER_EXTENSION)
         # the hook runs in this process only without tensor parallelism
         in_process = args.get("tensor_parallel_size", 1) == 1
@@ -211,8 +204,6 @@ class Engine:
         """Run as ``name`` from now on (the plain engine switches the alternative in every worker)."""
         if ENGINE_OF[name] != self.name:
             raise RuntimeError(f"variant {name} does not run in the {self.name} engine")
-        if self.name == FUSED and not all(self.llm.collective_rpc("fused_installed")):
-            raise RuntimeError("the fused decode path is not installed in every worker")
         if not self.guarded and not all(self.llm.collective_rpc("alternative_set", kwargs=SWITCHES[name])):
             raise RuntimeError("the alternative's split is not wrapped in every worker")
         return {}
@@ -416,10 +407,8 @@ def run(args, save=lambda result: None) -> dict:
                               **(dict(VLLM_USE_FLASHINFER_SAMPLER="0", NCCL_NVLS_ENABLE="0",
                                       TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1",
                                       VLLM_ALLREDUCE_USE_SYMM_MEM="0") if args.gpu else {})))
-             for e in ("plain", "gdn-pass", *((FUSED,) if args.fused else ()))}
-    if args.fused:
-        specs[FUSED]["env"]["GDN_PASS_BENCH_FUSED"] = "1"
-    variants = VARIANTS + ((FUSED,) if args.fused else ())
+             for e in ("plain", "gdn-pass")}
+    variants = VARIANTS
     engines = _start(specs)
     start_s = time.time() - started
     print(f"engines started in {start_s:.0f} s", file=sys.stderr, flush=True)
@@ -536,12 +525,9 @@ def render(result: dict) -> str:
     model = {"qwen3-next-80b": f"Qwen3-Next-80B layer dimensions, {result['layers']} layers",
              "bailing-2048": f"Bailing-MoE-v2.5 at hidden 2048 (Lightning + MLA), {result['layers']} layers",
              "tiny": "the tests' tiny Qwen3-Next", "bailing-tiny": "the tests' tiny Bailing-MoE-v2.5"}[result["dims"]]
-    fused = FUSED in result["fresh_row_check"]
     lines = [f"# Cost of the fix in a real vLLM engine ({model}, vLLM {result['vllm']})", "",
-             f"Command: `{result['command']}`. {'Three' if fused else 'Two'} engines side by side (plain vLLM, "
-             f"which also runs the alternative, switched in its workers; gdn-pass"
-             + ("; and gdn-pass with the fused decode path, `benchmarks/fused_decode.py`" if fused else "")
-             + "), rounds rotating the variants' order; "
+             f"Command: `{result['command']}`. Two engines side by side (plain vLLM, "
+             f"which also runs the alternative, switched in its workers; gdn-pass), rounds rotating the variants' order; "
              f"each cell is the median over {result['rounds']} rounds of the mean step time over "
              f"{result['steps']} steps. Ratios are to the unguarded engine, measured in the same run. With no "
              f"fresh row the alternative runs exactly plain vLLM's code: its ratio there is this run's noise.", "",
@@ -556,22 +542,19 @@ def render(result: dict) -> str:
                  "the slot, and find gdn-pass and the alternative fresh): the timings below are not "
                  "evidence for the fix's cost.", ""]),
              *(["| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
-                + ("| fused (gated decode kernels) " if fused else "")
-                + "| gdn-pass hook host time / step | of it, us/step by function |",
-                "|---|---|---|---|" + ("---|" if fused else "") + "---|---|"]
+                "| gdn-pass hook host time / step | of it, us/step by function |",
+                "|---|---|---|---|---|---|"]
                if result["rows"] else [])]
     for r in result["rows"]:
         share = "-" if r["hook_share"] is None else f"{r['hook_share']:.2%}"
         parts = ", ".join(f"{k} {v}" for k, v in sorted(r["hook_parts_us"].items(), key=lambda kv: -kv[1]))
         lines.append(f"| {r['case']} | {r['unguarded_ms']} | x{r['gdn-pass_ratio']} "
-                     f"| x{r['alternative_ratio']} " + (f"| x{r[FUSED + '_ratio']} " if fused else "")
-                     + f"| {share} | {parts or '-'} |")
+                     f"| x{r['alternative_ratio']} | {share} | {parts or '-'} |")
     if result["stream"]:
         s = result["stream"]
         lines += ["", f"Serving-like stream ({len(s['samples']['unguarded'])} round(s), after an unmeasured "
                       f"warm-up stream per variant): unguarded {s['unguarded_tokens_per_s']} output tokens/s; "
-                      f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']}"
-                      + (f", fused x{s[FUSED + '_ratio']}" if fused else "") + " "
+                      f"gdn-pass x{s['gdn-pass_ratio']}, alternative x{s['alternative_ratio']} "
                       "(ratios of tokens/s; higher is faster)."]
     for case, by_variant in (result.get("profiles") or {}).items():
         lines += ["", f"Profile, {case} (torch.profiler, one window of {result['steps']} steps per variant; "
@@ -608,9 +591,6 @@ def main() -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size of every engine")
-    ap.add_argument("--fused", action="store_true",
-                    help="add the fused alternative (benchmarks/fused_decode.py: vLLM 0.26's decode fast path "
-                         "with gated state loads, no zeroing launch) in a third engine")
     ap.add_argument("--workdir", default="artifacts/engine_cost")
     ap.add_argument("--out", default=None, help="directory for engine_cost.json / .md")
     ap.add_argument("--name", default="engine_cost")

@@ -22,19 +22,10 @@ alone, for the correctness check only.
 from __future__ import annotations
 
 import functools
-import os
 
 from vllm.v1.attention.backends import gdn_attn, linear_attn
 
 from harness.step_trace import fill_caches
-
-# The fused engine's environment asks for its decode path here, at import: vLLM
-# imports this module when it creates the worker, before it captures CUDA graphs.
-_FUSED = False
-if os.environ.get("GDN_PASS_BENCH_FUSED") == "1":
-    from benchmarks import fused_decode
-
-    _FUSED = fused_decode.install_if_asked()
 
 _switch = {"split": False, "runner": False}
 # The line goes into every builder module with the bug: GDN's, and the Lightning builders'
@@ -86,10 +77,6 @@ class BenchWorker:
             model_runner._bench_uniform_wrapped = True
         _switch.update(split=bool(split), runner=bool(runner))
         return all(getattr(m.split_decodes_and_prefills, "switchable", False) for m in _SPLIT_MODULES)
-
-    def fused_installed(self) -> bool:
-        """Is the fused decode path (``benchmarks/fused_decode.py``) installed in this worker?"""
-        return _FUSED
 
     def bench_init_weights(self, std: float, seed: int) -> int:
         """Redraw every weight matrix of this worker's model from N(0, std); the count redrawn.

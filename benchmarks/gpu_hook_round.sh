@@ -2,9 +2,8 @@
 # The metadata hook's staging and the zeroing launch on the H200, in one device call
 # (vLLM 0.26 bundle already unpacked: ../shared/gpu-vllm/README.md):
 #   GPU 0: benchmarks/zero_rows_bandwidth.py (ZERO_BANDWIDTH=1 only: the zeroing grid
-#          against the previous one), then the CUDA staging / zeroing / capture tests
-#          and the fused alternative's kernels against vLLM's (no engine), then the
-#          zeroing tests on a copy with a broken guard (it must fail): the zeroing
+#          against the previous one), then the CUDA staging / zeroing / capture tests,
+#          then the zeroing tests on a copy with a broken guard (it must fail): the zeroing
 #          kernel picks the wrong row.
 #   GPU 1: tests/gpu/test_vllm_e2e.py in modes default and full (the pass on vs the
 #          prompts run alone in fresh engines, pass off diverges). On a one-GPU
@@ -31,7 +30,7 @@ if [ "${ZERO_BANDWIDTH:-0}" = 1 ]; then
     echo "zero_rows_bandwidth exit $?"
 fi
 units=(tests/gpu/test_stage_rows_cuda.py tests/gpu/test_zero_rows_all.py tests/gpu/test_zero_rows_capture.py
-       tests/gpu/test_op_guard_capture.py tests/gpu/test_fused_decode.py)
+       tests/gpu/test_op_guard_capture.py)
 CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$PWD timeout 200 python3 -m pytest -q -p no:cacheprovider "${units[@]}" \
     > "$OUT/cuda_units.log" 2>&1
 echo "cuda units exit $? | $(tail -1 "$OUT/cuda_units.log")"
