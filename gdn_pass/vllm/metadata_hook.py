@@ -13,8 +13,9 @@ from the scheduler's ``CommonAttentionMetadata`` instead (the entry's
 for the builder's non-speculative rows, in the order of
 ``non_spec_state_indices_tensor``, then its speculative rows (whose first step
 can be fresh too). The rows live in one ``StagedRowMetadata``
-per builder (persistent buffers, refreshed in place) and are attached to the
-built metadata, where the guarded ops find them. Only what the guards read
+per builder (persistent buffers, refreshed in place); the hook hands them to
+the guards, with what else it computed for the step, as one
+``handoff.StepHandoff`` attached to the built metadata. Only what the guards read
 is staged: on a step with a row to zero, its flag and slot
 (``StagedRowMetadata.stage_fresh``: two copies, no kernel); on the others,
 nothing (``stage_no_fresh``: ``fresh`` cleared once after a step that had
@@ -40,8 +41,8 @@ import torch
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
+from gdn_pass.vllm.handoff import StepHandoff, attach
 from gdn_pass.vllm.rows import HostRows, gdn_rows
-from gdn_pass.vllm.state_guard import CACHES_ATTR, DECODE_ROWS_ATTR, HOST_FRESH_ATTR, ROWS_ATTR
 from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["HostRows", "host_rows", "install", "is_installed", "stage_rows"]
@@ -153,14 +154,10 @@ def _guard_step(builder, entry: builders.StateBuilder, context: compat.BuilderCo
             step.stage_fresh(rows)
         else:  # most steps: nothing to zero
             rows.stage_no_fresh(step.num_rows)
-    setattr(metadata, ROWS_ATTR, rows)
-    setattr(metadata, CACHES_ATTR, table)
-    setattr(metadata, HOST_FRESH_ATTR, fresh)
-    setattr(metadata, DECODE_ROWS_ATTR, decode)
+    handoff = StepHandoff(rows, host_fresh=fresh, table=table, decode=decode, zeroed_at_build=step_owned)
     if step_owned:
-        step_guard.zero_group(caches, table, rows, fresh)
-        setattr(metadata, step_guard.ZEROED_ATTR, True)
-    return metadata
+        step_guard.zero_group(caches, handoff)
+    return attach(metadata, handoff)
 
 
 def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args, kwargs) -> None:

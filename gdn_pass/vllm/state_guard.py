@@ -1,8 +1,10 @@
 """Zero the state slots of fresh rows, inside a vLLM GDN core op, before it reads them.
 
 Runs eagerly inside the guarded op (see ``guarded_ops``), where vLLM's own
-kernels run: it finds the layer and this step's staged rows through vLLM's
-forward context, exactly as the original op finds its caches.
+kernels run: it finds the layer and the step's metadata through vLLM's
+forward context, exactly as the original op finds its caches, and on the
+metadata what the metadata hook computed for the step
+(``handoff.handoff_of``: the staged rows, the host's count, ...).
 
     fresh = rows.fresh                    # staged by the metadata hook: the rows to zero
     for cache in layer.kv_cache:          # conv state, recurrent state, ...
@@ -24,28 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.compat import DecodeRows
-from gdn_pass.vllm.step_guard import ZEROED_ATTR, note_twin_layer, stood_down
-from gdn_pass.vllm.zero_rows import CacheTable, zero_new_rows_all, zero_rows, zero_rows_all
+from gdn_pass.vllm.handoff import handoff_of
+from gdn_pass.vllm.step_guard import note_twin_layer, stood_down
+from gdn_pass.vllm.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 
-__all__ = ["ROWS_ATTR", "CACHES_ATTR", "HOST_FRESH_ATTR", "DECODE_ROWS_ATTR", "GuardError", "zero_fresh_state"]
-
-# Attribute under which the metadata hook attaches the staged rows to the
-# layer's GDNAttentionMetadata for the step.
-ROWS_ATTR = "gdn_pass_rows"
-# Attribute holding the CacheTable of every GDN layer that shares the metadata
-# (CUDA only), so that the first guarded op of a step zeroes them all at once.
-CACHES_ATTR = "gdn_pass_caches"
-# The host's count of the step's rows to zero (the rows staged in ``fresh``):
-# with none, an eager twin launches nothing. Inside CUDA-graph
-# capture it launches anyway, so the replayed graph zeroes later steps' rows.
-HOST_FRESH_ATTR = "gdn_pass_host_fresh"
-# The step's ``compat.DecodeRows`` where the zeroing launch finds the fresh rows
-# in vLLM's own tensors (CUDA, no speculative rows): ``ROWS_ATTR``'s rows are
-# then not staged for the step. None otherwise.
-DECODE_ROWS_ATTR = "gdn_pass_decode_rows"
-_DONE_ATTR = "_gdn_pass_zeroed"
+__all__ = ["GuardError", "zero_fresh_state"]
 
 
 class GuardError(RuntimeError):
@@ -69,8 +55,8 @@ def zero_fresh_state(layer_name: str) -> None:
     metadata = all_metadata.get(getattr(layer, "prefix", layer_name))
     if metadata is None:
         return
-    rows: StagedRowMetadata | None = getattr(metadata, ROWS_ATTR, None)
-    if rows is None:
+    handoff = handoff_of(metadata)
+    if handoff is None:
         if "gdn" in stood_down():  # vLLM fixed the GDN builder here: the twin is the original op
             return
         raise GuardError(
@@ -80,22 +66,21 @@ def zero_fresh_state(layer_name: str) -> None:
             "gdn-pass is installed (its vllm.general_plugins entry point, or "
             "gdn_pass.vllm.install() before the engine starts)"
         )
-    if getattr(metadata, ZEROED_ATTR, False):  # the step guard owns this group
+    if handoff.zeroed_at_build:  # the step guard owns this group
         return
-    if getattr(metadata, HOST_FRESH_ATTR, None) == 0 and not _capturing():
+    if handoff.host_fresh == 0 and not _capturing():
         return
-    decode: DecodeRows | None = getattr(metadata, DECODE_ROWS_ATTR, None)
-    table: CacheTable | None = getattr(metadata, CACHES_ATTR, None)
+    rows, decode, table = handoff.rows, handoff.decode, handoff.table
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
         # One launch zeroes every GDN layer of this metadata's group; the
-        # group's other layers find it done (the metadata object is per step).
-        if not getattr(metadata, _DONE_ATTR, False):
+        # group's other layers find it done (the hand-off is per step).
+        if not handoff.zeroed_by_op:
             if decode is not None:
                 zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens,
                                   decode.num_rows, rows.max_rows)
             else:
                 zero_rows_all(table, rows.state_slot, rows.fresh_rows())
-            setattr(metadata, _DONE_ATTR, True)
+            handoff.zeroed_by_op = True
         return
     slots, fresh = (rows.state_slot, rows.fresh_rows()) if decode is None else _new_decode_rows(decode)
     for cache in layer.kv_cache:

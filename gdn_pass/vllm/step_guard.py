@@ -17,7 +17,7 @@ the step, before the model's forward is launched::
     if owner(group) is STEP and any fresh row (known on the host):
         for cache in every layer's kv_cache:  # conv + recurrent, ...
             cache[slot[fresh]] = 0            # CUDA: one sync-free launch for the group
-    metadata.gdn_pass_zeroed = True           # the twins, if any, skip
+    attach(metadata, StepHandoff(rows, ..., zeroed_at_build=True))  # the twins, if any, skip
 
 Who owns a group is decided once per builder, at its first ``build``, and
 never changes (a CUDA graph captured under one owner must be replayed under
@@ -40,15 +40,11 @@ import enum
 
 import torch
 
-from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all
+from gdn_pass.vllm.handoff import StepHandoff
+from gdn_pass.vllm.zero_rows import zero_rows, zero_rows_all
 
-__all__ = ["Owner", "ZEROED_ATTR", "activity", "decide_owner", "note_stand_down", "note_twin_layer",
+__all__ = ["Owner", "activity", "decide_owner", "note_stand_down", "note_twin_layer",
            "stood_down", "twin_layers", "zero_group"]
-
-# Set on a step's metadata once its fresh slots are zeroed (or nothing was
-# fresh) by the step guard; the twins of that step then do nothing.
-ZEROED_ATTR = "gdn_pass_zeroed"
 
 _TWIN_LAYERS: set[str] = set()
 # Registry entries (``builders``) that stood down in this process: vLLM fixed their builder.
@@ -98,17 +94,17 @@ def activity() -> dict:
             "zeroings": _ACTIVITY["zeroings"]}
 
 
-def zero_group(layer_caches: list[torch.Tensor], table: CacheTable | None,
-               rows: StagedRowMetadata, host_fresh: int) -> int:
-    """Zero the fresh rows' slots in every cache of the group; return the launches made.
+def zero_group(layer_caches: list[torch.Tensor], handoff: StepHandoff) -> int:
+    """Zero the hand-off's fresh rows' slots in every cache of the group; return the launches made.
 
-    ``host_fresh`` is the scheduler's count of fresh rows, known on the host:
-    with none, nothing is launched. On CUDA with a cache table it is one
-    launch; otherwise one per cache (CPU: ``index_fill_`` of the host-selected
-    slots).
+    ``handoff.host_fresh`` is the scheduler's count of fresh rows, known on
+    the host: with none, nothing is launched. On CUDA with a cache table
+    (``handoff.table``) it is one launch; otherwise one per cache (CPU:
+    ``index_fill_`` of the host-selected slots).
     """
-    if host_fresh == 0 or not layer_caches:
+    if handoff.host_fresh == 0 or not layer_caches:
         return 0
+    rows, table = handoff.rows, handoff.table
     fresh = rows.fresh_rows()
     _ACTIVITY["steps_zeroed"] += 1
     if table is not None:

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gdn_pass.vllm import builders, compat, metadata_hook, step_guard
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.handoff import handoff_of
 from tests.vllm.test_metadata_hook import bind_poisoned_caches, bug_step, new_builder, step_of, vllm_config, zeroed
 
 REROUTES = compat.version_tuple() >= (0, 31)
@@ -76,7 +76,7 @@ def test_where_vllm_fixed_the_builder_the_entry_stands_down_with_one_line_and_no
     lines = [r.getMessage() for r in caplog.records if "standing down" in r.getMessage()]
     assert len(lines) == 1 and f"vLLM {compat.vllm_version()}" in lines[0] and "GDNAttentionMetadataBuilder" in lines[0]
     metadata = builders_made[0].build(0, _bug_step_as_the_runner_sends_it())
-    assert not hasattr(metadata, ROWS_ATTR)
+    assert handoff_of(metadata) is None
     assert metadata.num_prefills == 1  # vLLM's own reroute: its prefill starts the row from zero
     assert zeroed(caches) == [[]] * 4
     assert "gdn" in step_guard.stood_down()
@@ -127,7 +127,7 @@ def test_a_release_newer_than_the_known_ones_stops_only_a_configured_engine(monk
         new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
     assert "vLLM 0.34.0" in str(error.value) and "0.26 to 0.33" in str(error.value)
     builder = new_builder(vllm_config(configured=False), like_0_26=False, monkeypatch=monkeypatch)
-    assert not hasattr(builder.build(0, bug_step()), ROWS_ATTR)
+    assert handoff_of(builder.build(0, bug_step())) is None
 
 
 def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed(monkeypatch):
@@ -143,7 +143,7 @@ def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False, cls=cls)
     metadata = builder.build(0, _bug_step_as_the_runner_sends_it())
     if REROUTES:
-        assert metadata.num_prefills == 1 and not hasattr(metadata, ROWS_ATTR)
+        assert metadata.num_prefills == 1 and handoff_of(metadata) is None
         assert zeroed(caches) == [[]] * 4 and "kimi_k3_kda" in step_guard.stood_down()
     else:
         assert metadata.num_decodes == 3  # the bug, in vLLM's own split

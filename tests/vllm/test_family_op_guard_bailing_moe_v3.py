@@ -31,7 +31,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
 from gdn_pass.vllm import GDNStatePass
 from gdn_pass.vllm.guarded_ops import guarded_overload
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.handoff import StepHandoff, attach
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
     MambaStateShapeCalculator,
@@ -80,7 +80,7 @@ def layer(monkeypatch):
     layer = RecordingKDALayer()
     context = SimpleNamespace(
         no_compile_layers={LAYER: layer},
-        attn_metadata={LAYER: SimpleNamespace(**{ROWS_ATTR: staged_rows()})},
+        attn_metadata={LAYER: attach(SimpleNamespace(), StepHandoff(staged_rows()))},
     )
     # the guard and vLLM's op each look the forward context up
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)

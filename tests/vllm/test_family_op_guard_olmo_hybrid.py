@@ -39,7 +39,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
 from gdn_pass.vllm import GDNStatePass, compat, metadata_hook
 from gdn_pass.vllm.guarded_ops import guarded_overload
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.handoff import StepHandoff, attach, handoff_of
 from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,
@@ -131,8 +131,7 @@ def step_metadata() -> SimpleNamespace:
     )
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     metadata_hook.stage_rows(rows, common, md)
-    setattr(md, ROWS_ATTR, rows)
-    return md
+    return attach(md, StepHandoff(rows))
 
 
 def context_for(layer: StandInOlmoGDN) -> SimpleNamespace:
@@ -167,7 +166,7 @@ def test_registry_matches_vllm_schema():
 
 
 def test_rows_staged_as_the_bug_needs():
-    rows = step_metadata().gdn_pass_rows
+    rows = handoff_of(step_metadata()).rows
     assert rows.fresh_slots().tolist() == [FRESH_SLOT]
     assert rows.valid[:3].tolist() == [True, True, False]
 

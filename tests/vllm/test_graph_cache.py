@@ -16,7 +16,7 @@ import vllm.forward_context
 from gdn_pass import opaque_ops
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import GDNStatePass
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.handoff import StepHandoff, attach
 
 OP = "vllm::gdn_pass_cache_test_core"
 LAYER = "model.layers.0.linear_attn"
@@ -51,7 +51,7 @@ def stale_slot_context(monkeypatch):
                state_slots=torch.tensor([SLOT]))
     layer = SimpleNamespace(prefix=LAYER, kv_cache=(torch.zeros(4, 2), torch.zeros(4, 3)))
     context = SimpleNamespace(no_compile_layers={LAYER: layer},
-                              attn_metadata={LAYER: SimpleNamespace(**{ROWS_ATTR: rows})})
+                              attn_metadata={LAYER: attach(SimpleNamespace(), StepHandoff(rows))})
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     return layer
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from gdn_pass.vllm import metadata_hook, step_guard
-from gdn_pass.vllm.state_guard import HOST_FRESH_ATTR, ROWS_ATTR
+from gdn_pass.vllm.handoff import handoff_of
 from tests.vllm.test_metadata_hook import common_metadata, vllm_config
 
 H, D = 2, 4  # heads, head dim of the stand-in state [H, D, D]
@@ -161,7 +161,7 @@ def test_fresh_one_token_row_among_decodes_reads_zero_state(cls_name):
     assert torch.equal(out_on[1], reference[0])  # as from a zero state
     assert not torch.equal(out_off[1], reference[0])  # the bug: the previous owner's state
     assert torch.equal(out_on[[0, 2]], out_off[[0, 2]])  # rows with history: bitwise as without the pass
-    assert getattr(on, HOST_FRESH_ATTR) == 1 and not hasattr(off, ROWS_ATTR)
+    assert handoff_of(on).host_fresh == 1 and handoff_of(off) is None
 
 
 def test_fresh_prefill_row_is_left_to_vllms_own_clearing():
@@ -169,7 +169,7 @@ def test_fresh_prefill_row_is_left_to_vllms_own_clearing():
     common = step([9, 0], [1, 5], [[3], [4]])
     on, zeroed, _, _ = run_step(True, common)
     assert (on.num_decodes, on.num_prefills) == (1, 1)
-    assert zeroed == [[], []] and getattr(on, HOST_FRESH_ATTR) == 0
+    assert zeroed == [[], []] and handoff_of(on).host_fresh == 0
 
 
 @pytest.mark.parametrize("computed", [1, 16, 31])
@@ -228,6 +228,6 @@ def test_unconfigured_builds_exactly_as_vllm():
     builder = new_linear_builder(config)
     metadata = builder.build(0, common)
     plain = type(builder).build.__wrapped__(builder, 0, common)
-    assert not hasattr(metadata, ROWS_ATTR)
+    assert handoff_of(metadata) is None
     assert metadata.state_indices_tensor_d.tolist() == plain.state_indices_tensor_d.tolist()
     assert (metadata.num_decodes, metadata.num_prefills) == (plain.num_decodes, plain.num_prefills)

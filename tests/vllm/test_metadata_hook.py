@@ -137,7 +137,7 @@ def test_install_is_idempotent():
 # __init__: no `device`, no `layer_names` attributes. Deleting the two after
 # construction gives that layout on any release; on 0.26-0.29 it is the layout.
 
-from gdn_pass.vllm.state_guard import ROWS_ATTR  # noqa: E402
+from gdn_pass.vllm.handoff import handoff_of  # noqa: E402
 
 LAYERS = ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
 
@@ -203,7 +203,7 @@ def test_unconfigured_engine_builds_exactly_as_without_the_plugin(monkeypatch, l
     args, kwargs = ((), dict(common_prefix_len=0, common_attn_metadata=common)) if by_keyword else ((0, common), {})
     metadata = builder.build(*args, **kwargs)
     plain = builder.build.__wrapped__(builder, *args, **kwargs)
-    assert not hasattr(metadata, ROWS_ATTR)
+    assert handoff_of(metadata) is None
     assert metadata.num_decodes == plain.num_decodes  # vLLM's own classification, untouched
     assert metadata.non_spec_state_indices_tensor.tolist() == plain.non_spec_state_indices_tensor.tolist()
 
@@ -214,7 +214,7 @@ def test_configured_engine_stages_rows_on_every_layout(monkeypatch, like_0_26, b
     builder = new_builder(vllm_config(configured=True, by_name=by_name), like_0_26=like_0_26,
                           monkeypatch=monkeypatch)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # 0.26's call
-    rows = getattr(metadata, ROWS_ATTR)
+    rows = handoff_of(metadata).rows
     assert rows.device == torch.device("cpu")
     assert rows.fresh[:3].tolist() == [False, True, False]
     assert metadata.non_spec_state_indices_tensor.tolist() == [3, 4, 5]
@@ -257,7 +257,7 @@ def test_unconfigured_engine_survives_a_broken_adapter(monkeypatch):
     for name in ("builder_context", "build_inputs", "check_supported", "num_computed_tokens"):
         monkeypatch.setattr(compat, name, broken)
     builder = new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
-    assert not hasattr(builder.build(0, bug_step()), ROWS_ATTR)
+    assert handoff_of(builder.build(0, bug_step())) is None
 
 
 def test_pass_by_qualified_name_is_vllms_resolved_object():
@@ -301,19 +301,18 @@ def test_fresh_flags_of_one_step_never_reach_the_next(monkeypatch):
     a step without one must leave no flag set, or the replay would zero the state
     the (now restored) request just wrote."""
     from gdn_pass.vllm import step_guard
-    from gdn_pass.vllm.state_guard import HOST_FRESH_ATTR
 
     monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())  # the step guard zeroes, visibly
     config = vllm_config(configured=True)
     caches = bind_poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
     metadata = builder.build(0, bug_step())
-    rows = getattr(metadata, ROWS_ATTR)
-    assert (rows.fresh_slots().tolist(), getattr(metadata, HOST_FRESH_ATTR)) == ([4], 1)
+    rows = handoff_of(metadata).rows
+    assert (rows.fresh_slots().tolist(), handoff_of(metadata).host_fresh) == ([4], 1)
     assert zeroed(caches) == [[4]] * 4
     caches = bind_poisoned_caches(config)  # refill: the next step must zero nothing
     metadata = builder.build(0, step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))  # the same requests, continuing
-    assert getattr(metadata, ROWS_ATTR) is rows and getattr(metadata, HOST_FRESH_ATTR) == 0
+    assert handoff_of(metadata).rows is rows and handoff_of(metadata).host_fresh == 0
     assert not rows.graph_buffers()["fresh"].any()
     assert zeroed(caches) == [[]] * 4
 

@@ -61,7 +61,7 @@ import torch
 
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import compat, metadata_hook, state_guard, step_guard
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.handoff import handoff_of
 from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder
 
 BLOCK = 16  # block_size of the MambaSpec that new_builder() gives the builder
@@ -157,7 +157,7 @@ def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool
         kwargs = dict(num_accepted_tokens=torch.tensor([r.accepted for r in reqs], dtype=torch.int32),
                       num_decode_draft_tokens_cpu=torch.tensor([r.drafts for r in reqs], dtype=torch.int32))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=common, **kwargs)  # 0.26's call
-    rows = getattr(metadata, ROWS_ATTR)
+    rows = handoff_of(metadata).rows
     full = StagedRowMetadata(rows.max_rows, pad_slot_ids=compat.pad_slot_ids())
     metadata_hook.stage_rows(full, common, metadata, kwargs.get("num_decode_draft_tokens_cpu"))
     metadata.test_common = common  # for check_step's look at vLLM's own device lengths

@@ -23,7 +23,7 @@ import gdn_pass
 from gdn_pass import opaque_ops
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import GDNStatePass, install
-from gdn_pass.vllm.state_guard import ROWS_ATTR
+from gdn_pass.vllm.handoff import StepHandoff, attach
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig, set_current_vllm_config
 from vllm.forward_context import get_forward_context, set_forward_context
@@ -96,7 +96,7 @@ def run_fresh_row_on_stale_slot(config: VllmConfig) -> torch.Tensor:
     rows = StagedRowMetadata(4, pad_slot_ids=(-1,))
     rows.stage(num_computed_tokens=torch.tensor([0]), query_lens=torch.tensor([1]),
                state_slots=torch.tensor([SLOT]))  # a brand-new request
-    metadata = SimpleNamespace(state_slot=SLOT, **{ROWS_ATTR: rows})
+    metadata = attach(SimpleNamespace(state_slot=SLOT), StepHandoff(rows))
     with set_forward_context({LAYER: metadata}, config):
         return model(torch.ones(4))
 

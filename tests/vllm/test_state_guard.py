@@ -7,7 +7,8 @@ import torch
 
 import vllm.forward_context
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.state_guard import ROWS_ATTR, GuardError, zero_fresh_state
+from gdn_pass.vllm.handoff import StepHandoff, attach
+from gdn_pass.vllm.state_guard import GuardError, zero_fresh_state
 
 NUM_SLOTS = 10
 
@@ -36,7 +37,7 @@ def test_only_fresh_slots_are_zeroed(monkeypatch, sentinel):
         query_lens=torch.tensor([1, 1, 1, 4, 0]),
         state_slots=torch.tensor([3, 5, sentinel, 9, 2]),
     )
-    install_context(monkeypatch, layer, SimpleNamespace(**{ROWS_ATTR: rows}))
+    install_context(monkeypatch, layer, attach(SimpleNamespace(), StepHandoff(rows)))
     zero_fresh_state(layer.prefix)
     for cache, old in zip(layer.kv_cache, before):
         assert torch.equal(cache[[5, 9]], torch.zeros_like(cache[[5, 9]]))
@@ -74,7 +75,7 @@ def test_first_guarded_layer_of_a_step_zeroes_the_whole_group_once(monkeypatch):
     table = SimpleNamespace(addresses=frozenset(t.data_ptr() for layer in layers[:2] for t in layer.kv_cache))
     calls = []
     monkeypatch.setattr(state_guard, "zero_rows_all", lambda *args: calls.append(args))
-    metadata = SimpleNamespace(**{ROWS_ATTR: rows, state_guard.CACHES_ATTR: table})
+    metadata = attach(SimpleNamespace(), StepHandoff(rows, table=table))
     context = SimpleNamespace(no_compile_layers={layer.prefix: layer for layer in layers},
                               attn_metadata={layer.prefix: metadata for layer in layers})
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
@@ -98,7 +99,7 @@ def test_step_the_host_knows_has_no_fresh_row_launches_nothing_outside_capture(m
     rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
     rows.stage(num_computed_tokens=torch.tensor([0]), query_lens=torch.tensor([1]),
                state_slots=torch.tensor([5]))
-    install_context(monkeypatch, layer, SimpleNamespace(**{ROWS_ATTR: rows, state_guard.HOST_FRESH_ATTR: 0}))
+    install_context(monkeypatch, layer, attach(SimpleNamespace(), StepHandoff(rows, host_fresh=0)))
     monkeypatch.setattr(state_guard, "_capturing", lambda: capturing)
     zero_fresh_state(layer.prefix)
     assert layer.kv_cache[1][5].eq(0.0 if capturing else 6.0).all()
@@ -112,7 +113,7 @@ def test_a_fresh_row_naming_the_padding_slot_writes_nothing(monkeypatch):
     layer = poisoned_layer()
     rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
     rows.stage_fresh(fresh_rows=np.array([True, True]), state_slots=torch.tensor([-1, 4]))
-    install_context(monkeypatch, layer, SimpleNamespace(**{ROWS_ATTR: rows}))
+    install_context(monkeypatch, layer, attach(SimpleNamespace(), StepHandoff(rows)))
     zero_fresh_state(layer.prefix)
     ssm = layer.kv_cache[1]
     assert ssm[4].eq(0).all()
@@ -139,8 +140,7 @@ def test_steps_without_speculative_rows_read_the_new_rows_from_vllms_tensors(mon
     calls = []
     monkeypatch.setattr(state_guard, "zero_new_rows_all", lambda *args: calls.append(args))
     monkeypatch.setattr(state_guard, "zero_rows_all", lambda *args: pytest.fail("staged rows read"))
-    metadata = SimpleNamespace(**{ROWS_ATTR: rows, state_guard.CACHES_ATTR: table,
-                                  state_guard.DECODE_ROWS_ATTR: decode, state_guard.HOST_FRESH_ATTR: 1})
+    metadata = attach(SimpleNamespace(), StepHandoff(rows, host_fresh=1, table=table, decode=decode))
     context = SimpleNamespace(no_compile_layers={grouped.prefix: grouped, alone.prefix: alone},
                               attn_metadata={grouped.prefix: metadata, alone.prefix: metadata})
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)

@@ -15,6 +15,7 @@ import torch
 
 import vllm.forward_context
 from gdn_pass.vllm import step_guard, state_guard
+from gdn_pass.vllm.handoff import handoff_of
 from gdn_pass.vllm.step_guard import Owner
 
 from test_metadata_hook import bug_step, common_metadata
@@ -107,7 +108,7 @@ def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, twins, zero_ca
     builder, layers = engine(monkeypatch, compiled=False)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
     assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
-    assert getattr(metadata, step_guard.ZEROED_ATTR)
+    assert handoff_of(metadata).zeroed_at_build
     assert_only_fresh_slot_zeroed(layers)  # before any layer runs
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers)
     assert {who for who, _ in zero_calls} == {"step"}
@@ -147,7 +148,7 @@ def test_step_without_fresh_rows_launches_nothing(monkeypatch, twins, zero_calls
 
     decodes = dataclasses.replace(decodes, block_table_tensor=torch.tensor([[3], [4], [5]], dtype=torch.int32))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=decodes)
-    assert getattr(metadata, step_guard.ZEROED_ATTR)
+    assert handoff_of(metadata).zeroed_at_build
     assert not zero_calls
     assert layers[LAYERS[0]].kv_cache[1].eq(6.0).all()
 
@@ -159,7 +160,7 @@ def test_owner_is_fixed_at_the_first_build(monkeypatch, twins, zero_calls):
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
     assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
-    assert getattr(metadata, step_guard.ZEROED_ATTR)
+    assert handoff_of(metadata).zeroed_at_build
 
 
 def test_decide_owner():

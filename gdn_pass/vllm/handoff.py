@@ -1,0 +1,77 @@
+"""What the metadata hook hands the guards for one step: one object, under one attribute.
+
+The metadata hook (``metadata_hook``) runs when vLLM builds a step's metadata
+for a group of recurrent-state layers; the guards that zero the fresh rows'
+slots run later (the op guard, ``op_guard``, inside each guarded op at
+forward time) or right away (the step guard, ``step_guard``, at the build).
+Everything the hook computed for the step travels as one ``StepHandoff``,
+attached to the metadata object vLLM hands every layer of the group::
+
+    metadata = build(...)                                  # vLLM
+    attach(metadata, StepHandoff(rows, host_fresh, ...))   # metadata_hook
+    ...
+    handoff = handoff_of(metadata)                         # op_guard, in each guarded op
+
+The metadata object is new for every step, so is its hand-off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from gdn_pass.metadata import StagedRowMetadata
+from gdn_pass.vllm.compat import DecodeRows
+from gdn_pass.vllm.zero_rows import CacheTable
+
+__all__ = ["ATTR", "StepHandoff", "attach", "handoff_of"]
+
+# The one attribute of vLLM's metadata object that gdn-pass sets.
+ATTR = "gdn_pass_handoff"
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class StepHandoff:
+    """One step's rows to zero for one builder's group of layers, as the metadata hook left them.
+
+    ``rows``: the builder's persistent ``StagedRowMetadata``, refreshed in
+    place for this step with the rows to zero (``fresh``) and their slots
+    (``state_slot``); not refreshed where ``decode`` is set.
+
+    ``host_fresh``: the host's count of rows to zero. With 0 an op guard
+    launches nothing outside CUDA-graph capture (inside, it launches anyway,
+    so that the replayed graph zeroes later steps' rows). None: not counted,
+    zero whatever ``rows`` has staged.
+
+    ``table``: the ``CacheTable`` of every layer of the group (CUDA only), so
+    that the first guarded op of the step zeroes them all in one launch.
+
+    ``decode``: the step's ``compat.DecodeRows`` where the zeroing launch
+    finds the fresh rows in vLLM's own tensors (CUDA, no speculative rows);
+    ``rows`` is then not staged for the step. None otherwise.
+
+    ``zeroed_at_build``: the step guard owns the group and has zeroed its
+    fresh slots at this build (or found none): the op guards do nothing.
+
+    ``zeroed_by_op``: the only field written after ``attach``: set by the
+    first op guard of the step that zeroed the whole ``table``, so that the
+    group's other guarded ops skip.
+    """
+
+    rows: StagedRowMetadata
+    host_fresh: int | None = None
+    table: CacheTable | None = None
+    decode: DecodeRows | None = None
+    zeroed_at_build: bool = False
+    zeroed_by_op: bool = False
+
+
+def attach(metadata, handoff: StepHandoff):
+    """Hand ``handoff`` to the guards on vLLM's step ``metadata``; return ``metadata``."""
+    setattr(metadata, ATTR, handoff)
+    return metadata
+
+
+def handoff_of(metadata) -> StepHandoff | None:
+    """The hand-off the metadata hook attached to ``metadata``; None where it attached none
+    (pass not configured, plugin not installed, or the builder's entry stood down)."""
+    return getattr(metadata, ATTR, None)
