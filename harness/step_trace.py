@@ -262,19 +262,19 @@ MUTATION_ENV = "GDN_FUZZ_MUTATION"
 
 
 def _skip_zeroing() -> None:
-    from gdn_pass.vllm import state_guard, step_guard
+    from gdn_pass.vllm import op_guard, step_guard
 
     def no_write(*args, **kwargs):
         return None
 
-    for module in (state_guard, step_guard):
+    for module in (op_guard, step_guard):
         module.zero_rows = module.zero_rows_all = no_write
 
 
 def _zeroing_without_writes() -> None:
     import torch
 
-    from gdn_pass.vllm import state_guard, step_guard
+    from gdn_pass.vllm import op_guard, step_guard
 
     def without_writes(zero):
         @functools.wraps(zero)
@@ -283,7 +283,7 @@ def _zeroing_without_writes() -> None:
 
         return launch
 
-    for module in (state_guard, step_guard):
+    for module in (op_guard, step_guard):
         module.zero_rows = without_writes(module.zero_rows)
         module.zero_rows_all = without_writes(module.zero_rows_all)
 

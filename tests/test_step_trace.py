@@ -64,13 +64,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from harness import step_trace  # noqa: E402
-from gdn_pass.vllm import state_guard, step_guard  # noqa: E402
+from gdn_pass.vllm import op_guard, step_guard  # noqa: E402
 
 
 @pytest.fixture
 def guard_functions(monkeypatch):
     """The zeroing entry points of both guards, restored after the test."""
-    for module in (state_guard, step_guard):
+    for module in (op_guard, step_guard):
         for name in ("zero_rows", "zero_rows_all"):
             monkeypatch.setattr(module, name, getattr(module, name))
 
@@ -91,7 +91,7 @@ def test_unmutated_guard_zeroes_the_fresh_slot(guard_functions):
 @pytest.mark.parametrize("mutation", ["skip_zeroing", "zeroing_without_writes"])
 def test_mutations_leave_the_fresh_slot_as_it_was(guard_functions, mutation):
     step_trace.apply_mutation(mutation)
-    for module in (state_guard, step_guard):
+    for module in (op_guard, step_guard):
         cache, slot, fresh = _fresh_slot_cache()
         module.zero_rows(cache, slot, fresh)
         assert cache.eq(1).all(), (mutation, module.__name__)

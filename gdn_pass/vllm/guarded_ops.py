@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from gdn_pass.opaque_ops import OpaqueStateOp
-from gdn_pass.vllm.state_guard import zero_fresh_state
+from gdn_pass.vllm.op_guard import zero_fresh_state
 
 __all__ = ["guarded_overload", "guarded_name", "define_on_lookup"]
 

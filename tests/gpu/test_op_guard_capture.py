@@ -13,7 +13,7 @@ vllm_forward_context = pytest.importorskip("vllm.forward_context", reason="needs
 
 from gdn_pass.metadata import StagedRowMetadata  # noqa: E402
 from gdn_pass.vllm.handoff import StepHandoff, attach  # noqa: E402
-from gdn_pass.vllm.state_guard import zero_fresh_state  # noqa: E402
+from gdn_pass.vllm.op_guard import zero_fresh_state  # noqa: E402
 
 LAYER = "model.layers.0.linear_attn"
 NUM_SLOTS, MAX_ROWS = 64, 16

@@ -175,7 +175,7 @@ def test_the_plugin_entry_point_registers_the_adapter():
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
 
 
-@pytest.mark.parametrize("module", ["compat", "builders", "guarded_ops", "state_guard", "piecewise"])
+@pytest.mark.parametrize("module", ["compat", "builders", "guarded_ops", "op_guard", "piecewise"])
 def test_uuid_follows_the_adapters_source(module, monkeypatch):
     import inspect
 

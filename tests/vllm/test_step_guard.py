@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vllm.forward_context
-from gdn_pass.vllm import step_guard, state_guard
+from gdn_pass.vllm import op_guard, step_guard
 from gdn_pass.vllm.handoff import handoff_of
 from gdn_pass.vllm.step_guard import Owner
 
@@ -43,7 +43,7 @@ def twins(monkeypatch):
 def zero_calls(monkeypatch):
     """Every zeroing call, from either guard: (who, cache address)."""
     calls = []
-    for module, who in ((step_guard, "step"), (state_guard, "twin")):
+    for module, who in ((step_guard, "step"), (op_guard, "twin")):
         original = module.zero_rows
 
         def counted(cache, slot, fresh, _original=original, _who=who):
@@ -81,7 +81,7 @@ def forward(monkeypatch, layers, metadata, covered):
     context = SimpleNamespace(no_compile_layers=layers, attn_metadata={n: metadata for n in layers})
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     for name in covered:
-        state_guard.zero_fresh_state(name)
+        op_guard.zero_fresh_state(name)
 
 
 def warm_up(monkeypatch, layers, covered):
@@ -89,7 +89,7 @@ def warm_up(monkeypatch, layers, covered):
     context = SimpleNamespace(no_compile_layers=layers, attn_metadata=None)
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     for name in covered:
-        state_guard.zero_fresh_state(name)
+        op_guard.zero_fresh_state(name)
 
 
 def assert_only_fresh_slot_zeroed(layers):
