@@ -63,9 +63,9 @@ def make_builder(device: torch.device, num_blocks: int):
         context[name] = SimpleNamespace(kv_cache=[
             torch.zeros(num_blocks, 3, 8192, dtype=torch.bfloat16, device=device),
             torch.zeros(num_blocks, 32, 128, 128, dtype=torch.float32, device=device)])
-    # Every layer has a guarded twin (the compiled engine's case): the graph guard owns the group.
+    # Every layer has a guarded op (the compiled engine's case): the op guard owns the group.
     for name in LAYERS:
-        step_guard.note_twin_layer(name)
+        step_guard.note_guarded_layer(name)
     spec = MambaSpec(block_size=16, shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
     from vllm.config import set_current_vllm_config
 

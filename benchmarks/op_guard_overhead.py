@@ -1,4 +1,4 @@
-"""Cost of the vLLM op-level guard (sync-free zeroing of fresh rows' slots) on CUDA.
+"""Cost of the vLLM op guard (sync-free zeroing of fresh rows' slots) on CUDA.
 
 Per GDN layer, Qwen3-Next shapes (HK=16, HV=32, K=V=128; conv state
 [8192, 3] bf16, recurrent state [32, 128, 128] fp32; 1024 slots), both

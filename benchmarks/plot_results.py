@@ -2,7 +2,7 @@
 
 ``cost_of_the_fix.png``. Left: vLLM step latency on CPU relative to the
 unguarded 0.30 engine, for the pass and for vLLM 0.31's upstream fix
-(vllm_step_latency.json). Right: the op-level guard's time as a share of a
+(vllm_step_latency.json). Right: the op guard's time as a share of a
 36-layer flash-linear-attention decode step on the H200, per layer and in one
 launch per step (step_guard_overhead.json).
 
@@ -67,7 +67,7 @@ def main() -> None:
     right.set_yscale("log")
     right.set_xlabel("batch (decode rows)")
     right.set_ylabel("guard / 36-layer FLA decode step (%)")
-    right.set_title("op-level guard on H200")
+    right.set_title("op guard on H200")
     right.legend(fontsize=8)
     fig.tight_layout()
     out = results / "cost_of_the_fix.png"

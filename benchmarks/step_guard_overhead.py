@@ -1,4 +1,4 @@
-"""Op-level guard per layer vs one launch per step for all GDN layers (CUDA).
+"""The op guard per layer vs one launch per step for all GDN layers (CUDA).
 
 L GDN layers with Qwen3-Next shapes (HK=16, HV=32, K=V=128; conv state
 [8192, 3] bf16, recurrent state [32, 128, 128] fp32), captured in CUDA graphs
@@ -93,7 +93,7 @@ def main():
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "step_guard_overhead.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))
-    lines = [f"# Op-level guard: per layer vs one launch per step ({L} GDN layers, {torch.cuda.get_device_name()})",
+    lines = [f"# Op guard: per layer vs one launch per step ({L} GDN layers, {torch.cuda.get_device_name()})",
              "", f"`{meta['command']}`; CUDA-graph replay, medians of {args.rounds} interleaved rounds.", "",
              "| B | fresh rows | step (L layers) | per-layer guard | share | one launch | share |",
              "|---|---|---|---|---|---|---|"]

@@ -8,7 +8,7 @@ For each release (one Python environment each, made by ``scripts/env.sh``):
     pass off      : R3 on R1's recycled slot next to R2, the plugin installed but
                     GDNStatePass not configured (must run, and diverge: the bug)
     pass on       : the same with GDNStatePass (must equal isolated; R2 unchanged)
-    GDN entry     : what the pass did with the GDN core ops there: twins ("acts") or left them
+    GDN entry     : what the pass did with the GDN core ops there: guarded ops ("acts") or left them
                     alone because vLLM reroutes fresh rows itself ("stands down")
 
     python benchmarks/version_matrix.py 0.27.0=.venv-vllm027/bin/python 0.30.0=.venv/bin/python ...

@@ -48,7 +48,7 @@ class StagedRowMetadata:
 
     Args:
         max_rows: the largest batch (rows, not tokens) ever staged.
-        device: where the consumers (the compiled graph, the state guard) run.
+        device: where the consumers (the compiled graph, vLLM's op and step guards) run.
         pad_slot_ids: slot ids that mark a padding row.
         scratch_slot: a slot the engine never hands to a request (vLLM's null
             block 0, say). Graph-visible write-backs of padding rows are sent

@@ -4,6 +4,6 @@
   lowering, a masked indirect load that fuses into the kernels Inductor
   generates (Triton and C++).
 
-The vLLM opaque-op guard needs no lowering: it swaps an op for a guarded twin
+The vLLM op guard needs no lowering: the pass swaps an op for a guarded op
 that Inductor emits as the same fallback kernel.
 """

@@ -22,9 +22,10 @@ minimax_linear  ``LinearAttentionMetadataBuilder``         Lightning state     `
 ==============  =========================================  ==================  ========================  ============
 
 ``rows`` is the entry's way of recognising a fresh row in its metadata
-(``gdn_pass.vllm.rows``); ``guards`` says who may zero it: the guarded twins
-of the core ops inside the compiled graph (``graph``) and the zeroing at
-metadata build (``step``, every mode, eager included). An entry whose
+(``gdn_pass.vllm.rows``); ``guards`` says which guard may zero it: the op
+guard, inside the guarded ops the pass swaps in for the core ops of a
+compiled graph (``op``), and the step guard, at metadata build (``step``,
+every mode, eager included). An entry whose
 builder vLLM already fixed stands down: one start-up line, no per-step work.
 The plugin imports only the attention-backend modules vLLM imports anyway;
 Kimi-K3's builder (``eager=False``) is hooked when vLLM first makes one.
@@ -63,7 +64,7 @@ class StateBuilder:
     state: str
     read_by: str
     rows: Callable
-    guards: tuple[str, ...]
+    guards: tuple[str, ...]  # "op" (the op guard), "step" (the step guard): see the module docstring
     metadata_class: str
     metadata_fields: tuple[str, ...]
     rerouted_since: tuple[int, int] | None = None
@@ -137,7 +138,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
     StateBuilder(
         key="gdn", module="v1.attention.backends.gdn_attn", class_name="GDNAttentionMetadataBuilder",
         models=_GDN_MODELS, state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
-        rows=rows.gdn_rows, guards=("graph", "step"), metadata_class="GDNAttentionMetadata",
+        rows=rows.gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
         metadata_fields=("non_spec_state_indices_tensor", "spec_sequence_masks", "num_decodes"),
         rerouted_since=(0, 31)),
     StateBuilder(

@@ -230,7 +230,7 @@ def _step_input_positions(build) -> tuple[int, int | None]:
 
 
 def engine_compiles(vllm_config) -> bool:
-    """Does this engine run its model through a compiled graph (a place for twins)?
+    """Does this engine run its model through a compiled graph (a place for guarded ops)?
 
     False for ``enforce_eager=True`` and for compilation mode NONE (``mode`` in
     0.26-0.31; ``level`` in older releases), which some architectures force.

@@ -22,7 +22,7 @@ class GDNStatePass(_TorchGDNStatePass, compat.inductor_pass_base()):
     """
 
     def options(self) -> dict:
-        # Whether the core ops get twins depends on the release (an entry that
+        # Whether the core ops become guarded ops depends on the release (an entry that
         # vLLM fixed stands down): a compiled graph is only valid for it.
         return {**super().options(), "vllm": compat.vllm_version()}
 

@@ -1,12 +1,13 @@
-"""Guarded twins of vLLM's GDN core ops: same schema, fresh-row state zeroed first.
+"""Guarded ops: vLLM's GDN core ops under a new name, same schema, fresh-row state zeroed first.
 
 ``gdn_pass::guarded_<name>`` is defined from the original op's schema (only
 the name changes), so auto_functionalized, reinplacing, DCE and Inductor's
-fallback-kernel codegen treat it exactly like the original.
+fallback-kernel codegen treat it exactly like the original. Its body is the
+op guard (``op_guard.zero_fresh_state``), then the original op.
 
-Twins are defined when the pass rewrites a graph, and also on first lookup
+Guarded ops are defined when the pass rewrites a graph, and also on first lookup
 (``torch.ops.gdn_pass.guarded_<name>``): a compiled graph loaded from a cache
-in a fresh process calls the twin although no pass ran there.
+in a fresh process calls the guarded op although no pass ran there.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ def guarded_name(op: torch._ops.OpOverload) -> str:
 
 
 def guarded_overload(op: torch._ops.OpOverload, spec: OpaqueStateOp) -> torch._ops.OpOverload:
-    """Define (once per process) and return the guarded twin of ``op``."""
+    """Define (once per process) and return the guarded op of ``op``."""
     name = guarded_name(op)
     if name not in _DEFINED:
         _DEFINING.add(name)
@@ -43,11 +44,11 @@ def guarded_overload(op: torch._ops.OpOverload, spec: OpaqueStateOp) -> torch._o
 
 
 def stand_down_reason(spec: OpaqueStateOp) -> str | None:
-    """Why the compiled graph's op needs no twin (vLLM fixed its builder in this engine), or None.
+    """Why the compiled graph's op needs no guarded op (vLLM fixed its builder in this engine), or None.
 
     Asked by the pass at compile time, with vLLM's current config where it has
     set one (vLLM's CPU compile sets none; the platform decides there). Where
-    it cannot tell, the op is guarded; the twin passes through if the builder
+    it cannot tell, the op is guarded; the guarded op passes through if the builder
     then stands down.
     """
     from vllm.config import get_current_vllm_config_or_none
@@ -122,7 +123,7 @@ class _GuardedNamespace(type(torch.ops.gdn_pass)):
 
 
 def define_on_lookup() -> None:
-    """Let ``torch.ops.gdn_pass.guarded_<op>`` define the twin on first use."""
+    """Let ``torch.ops.gdn_pass.guarded_<op>`` define the guarded op on first use."""
     torch.ops.gdn_pass.__class__ = _GuardedNamespace
 
 

@@ -20,14 +20,14 @@ is staged: on a step with a row to zero, its flag and slot
 (``StagedRowMetadata.stage_fresh``: two copies, no kernel); on the others,
 nothing (``stage_no_fresh``: ``fresh`` cleared once after a step that had
 fresh rows). On CUDA steps without speculative rows nothing is staged at
-all: the guards' one zeroing launch finds the new decode rows itself in
+all: the op guard's one zeroing launch finds the new decode rows itself in
 vLLM's own device tensors (``compat.DecodeRows``: a row whose
 ``seq_len`` equals its query length), and the host only counts them, so that
 an eager step with none launches nothing. Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
-hook zeroes the fresh slots itself right after the build (``step_guard``);
+step guard (``step_guard``) zeroes the fresh slots right after the build;
 the linear-attention builders, whose reads sit inside ``vllm::linear_attention``
-(no twin), always take that path. An entry whose builder this vLLM already
+(no guarded op), always take that path. An entry whose builder this vLLM already
 fixed stands down at engine start (``StateBuilder.stands_down``).
 """
 
@@ -208,14 +208,14 @@ def _owner(builder, context: compat.BuilderContext, entry: builders.StateBuilder
     if owner is None:
         owner = builder.__dict__[_BUILDER_OWNER] = step_guard.decide_owner(
             context.layer_names,
-            compiled="graph" in entry.guards and compat.engine_compiles(context.vllm_config))
-        uncovered = sorted(set(context.layer_names) - step_guard.twin_layers())
+            compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config))
+        uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
         logger.info(
             "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
-            "by the guarded core ops in the compiled graph" if owner is step_guard.Owner.GRAPH
-            else "at metadata build (one zeroing launch per step with fresh rows)",
-            f"; no guarded core op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
-            if owner is step_guard.Owner.STEP and uncovered and "graph" in entry.guards else "")
+            "by the op guard (the guarded ops in the compiled graph)" if owner is step_guard.Owner.OP
+            else "by the step guard at metadata build (one zeroing launch per step with fresh rows)",
+            f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
+            if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards else "")
     return owner
 
 

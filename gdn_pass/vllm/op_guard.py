@@ -1,6 +1,7 @@
-"""Zero the state slots of fresh rows, inside a vLLM GDN core op, before it reads them.
+"""The op guard: zero the state slots of fresh rows inside a guarded op, before vLLM's core op reads them.
 
-Runs eagerly inside the guarded op (see ``guarded_ops``), where vLLM's own
+Runs eagerly inside the guarded op (``gdn_pass::guarded_<op>``, see
+``guarded_ops``) that the pass swaps in for a vLLM GDN/KDA core op, where vLLM's own
 kernels run: it finds the layer and the step's metadata through vLLM's
 forward context, exactly as the original op finds its caches, and on the
 metadata what the metadata hook computed for the step
@@ -15,11 +16,11 @@ metadata what the metadata hook computed for the step
     slot[r]  = metadata.non_spec_state_indices_tensor[r]
 
 A step whose metadata says no row is fresh (the host's count) launches
-nothing, except inside CUDA-graph capture. On CUDA the first guarded layer
+nothing, except inside CUDA-graph capture. On CUDA the first guarded op
 of a step zeroes the fresh slots of every GDN layer that shares its
-metadata, in one launch; the others skip. Where the metadata hook's step
-guard owns the group (``step_guard``), the slots were zeroed at build time
-and the twin does nothing.
+metadata, in one launch; the others skip. Where the step guard owns the
+group (``step_guard``), the slots were zeroed at build time and the op
+guard does nothing.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 
 from gdn_pass.vllm.compat import DecodeRows
 from gdn_pass.vllm.handoff import handoff_of
-from gdn_pass.vllm.step_guard import note_twin_layer, stood_down
+from gdn_pass.vllm.step_guard import note_guarded_layer, stood_down
 from gdn_pass.vllm.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 
 __all__ = ["GuardError", "zero_fresh_state"]
@@ -41,7 +42,7 @@ class GuardError(RuntimeError):
 def zero_fresh_state(layer_name: str) -> None:
     from vllm.forward_context import get_forward_context
 
-    note_twin_layer(layer_name)  # first in vLLM's profiling / warm-up forward
+    note_guarded_layer(layer_name)  # first in vLLM's profiling / warm-up forward
     context = get_forward_context()
     all_metadata = context.attn_metadata
     if all_metadata is None:  # profiling / dummy run: the op itself does nothing
@@ -57,7 +58,7 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     handoff = handoff_of(metadata)
     if handoff is None:
-        if "gdn" in stood_down():  # vLLM fixed the GDN builder here: the twin is the original op
+        if "gdn" in stood_down():  # vLLM fixed the GDN builder here: the guarded op is the original
             return
         raise GuardError(
             f"no staged gdn-pass rows on {type(metadata).__name__} of {layer_name}: the "

@@ -5,7 +5,7 @@ registry in ``gdn_pass.opaque_ops``, which this module fills:
 
 - vLLM's GDN/KDA core ops and their schemas, of every supported release
   (``compat.CORE_OPS``);
-- who makes their guarded twins and says when one is not needed (``guarded_ops``);
+- who makes their guarded ops and says when one is not needed (``guarded_ops``);
 - the adapter modules whose source decides the rewrite, hashed into the
   pass's ``uuid()`` (the compiled-graph cache key).
 

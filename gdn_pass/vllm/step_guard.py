@@ -1,12 +1,22 @@
-"""Zero fresh rows' state when a step's GDN metadata is built: the guard for reads no graph holds.
+"""The step guard: zero fresh rows' state when a step's metadata is built, for reads no op guard covers.
 
-The graph guard (guarded twins of the core ops, ``guarded_ops``) needs a
-compiled graph whose GDN/KDA core ops it can swap. Some engines have none:
+gdn-pass has two guards, each zeroing the slots of a step's fresh rows before
+vLLM's kernels read them:
+
+- the **op guard** (``op_guard``), inside each guarded op
+  (``gdn_pass::guarded_<op>``, ``guarded_ops``) that the pass swaps in for a
+  GDN/KDA core op of a compiled graph, at forward time;
+- the **step guard** (this module), in the metadata hook right after the
+  step's metadata is built.
+
+The op guard needs a compiled graph whose core ops the pass can swap. Some
+engines have none:
 
 - ``enforce_eager=True`` or compilation mode NONE (the bug report's own
   reproduction; Kimi-Linear's architecture forces it in vLLM 0.27+);
 - layers whose state read sits behind no op at all (Kimi-Linear's KDA in
-  vLLM 0.27+ reads its caches in plain Python).
+  vLLM 0.27+ reads its caches in plain Python; the Lightning builders' reads
+  sit inside ``vllm::linear_attention``, which the pass does not swap).
 
 For those, the metadata hook zeroes the fresh rows' slots of every layer of
 the builder's group right after ``build()``, on the host thread that enqueues
@@ -17,19 +27,20 @@ the step, before the model's forward is launched::
     if owner(group) is STEP and any fresh row (known on the host):
         for cache in every layer's kv_cache:  # conv + recurrent, ...
             cache[slot[fresh]] = 0            # CUDA: one sync-free launch for the group
-    attach(metadata, StepHandoff(rows, ..., zeroed_at_build=True))  # the twins, if any, skip
+    attach(metadata, StepHandoff(rows, ..., zeroed_at_build=True))  # the op guards, if any, skip
 
-Who owns a group is decided once per builder, at its first ``build``, and
-never changes (a CUDA graph captured under one owner must be replayed under
-the same one):
+Which guard owns a group is decided once per builder, at its first ``build``,
+and never changes (a CUDA graph captured under one owner must be replayed
+under the same one):
 
-- the GRAPH guard, when the engine compiles and every layer of the group has
-  already run through a guarded twin (twins note their layer the first time
-  they run, which is in vLLM's profiling or warm-up forward, before any step);
-- the STEP guard otherwise, including every eager engine.
+- ``Owner.OP``, the op guard, when the engine compiles and every layer of the
+  group has already run through a guarded op (the op guard notes its layer
+  the first time it runs, which is in vLLM's profiling or warm-up forward,
+  before any step);
+- ``Owner.STEP``, the step guard, otherwise, including every eager engine.
 
 So a slot is zeroed once per step, by exactly one of the two, and a layer no
-twin reached is never left to the graph guard. The step guard is correct in
+guarded op reached is never left to the op guard. The step guard is correct in
 every CUDA-graph mode too: it runs on the stream before the replay, which
 reads the zeroed slot.
 """
@@ -43,10 +54,11 @@ import torch
 from gdn_pass.vllm.handoff import StepHandoff
 from gdn_pass.vllm.zero_rows import zero_rows, zero_rows_all
 
-__all__ = ["Owner", "activity", "decide_owner", "note_stand_down", "note_twin_layer",
-           "stood_down", "twin_layers", "zero_group"]
+__all__ = ["Owner", "activity", "decide_owner", "guarded_layers", "note_guarded_layer", "note_stand_down",
+           "stood_down", "zero_group"]
 
-_TWIN_LAYERS: set[str] = set()
+# Layers whose guarded op has run in this process (the op guard notes them).
+_GUARDED_LAYERS: set[str] = set()
 # Registry entries (``builders``) that stood down in this process: vLLM fixed their builder.
 _STOOD_DOWN: set[str] = set()
 # What the step guard did in this process, for reports and tests: the owner
@@ -56,13 +68,15 @@ _ACTIVITY = {"owners": {}, "steps_zeroed": 0, "zeroings": 0}
 
 
 class Owner(enum.Enum):
-    GRAPH = "graph"  # guarded twins inside the compiled model zero the slots
-    STEP = "step"  # the metadata hook zeroes them at build time
+    """Which guard zeroes a group's fresh slots (its value is what ``activity()`` reports)."""
+
+    OP = "op"  # the op guard, in the guarded ops of the compiled model
+    STEP = "step"  # the step guard, at metadata build
 
 
-def note_twin_layer(layer_name: str) -> None:
-    """Record that a guarded twin runs for ``layer_name`` in this process."""
-    _TWIN_LAYERS.add(layer_name)
+def note_guarded_layer(layer_name: str) -> None:
+    """Record that the guarded op of ``layer_name`` runs in this process."""
+    _GUARDED_LAYERS.add(layer_name)
 
 
 def note_stand_down(entry_key: str) -> None:
@@ -74,22 +88,22 @@ def stood_down() -> frozenset[str]:
     return frozenset(_STOOD_DOWN)
 
 
-def twin_layers() -> frozenset[str]:
-    return frozenset(_TWIN_LAYERS)
+def guarded_layers() -> frozenset[str]:
+    return frozenset(_GUARDED_LAYERS)
 
 
 def decide_owner(layer_names, *, compiled: bool) -> Owner:
-    """GRAPH only if the engine compiles and a twin has run for every layer."""
+    """OP only if the engine compiles and a guarded op has run for every layer."""
     owner = Owner.STEP
-    if compiled and layer_names and all(name in _TWIN_LAYERS for name in layer_names):
-        owner = Owner.GRAPH
+    if compiled and layer_names and all(name in _GUARDED_LAYERS for name in layer_names):
+        owner = Owner.OP
     if layer_names:
         _ACTIVITY["owners"][layer_names[0]] = owner.value
     return owner
 
 
 def activity() -> dict:
-    """``{"owners": {first layer: "graph"|"step"}, "steps_zeroed": n, "zeroings": n}``."""
+    """``{"owners": {first layer: "op"|"step"}, "steps_zeroed": n, "zeroings": n}``."""
     return {"owners": dict(_ACTIVITY["owners"]), "steps_zeroed": _ACTIVITY["steps_zeroed"],
             "zeroings": _ACTIVITY["zeroings"]}
 

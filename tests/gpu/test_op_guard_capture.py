@@ -1,4 +1,4 @@
-"""The vLLM op-level guard on CUDA: sync-free, captured in a CUDA graph, replayed
+"""The vLLM op guard on CUDA: sync-free, captured in a CUDA graph, replayed
 with different fresh rows. Poisoned caches; only fresh rows' slots may change.
 
 vLLM is not needed: the forward context is a stand-in with the same fields.

@@ -7,7 +7,7 @@ GDNStatePass configured (pass on); R2's reference is the same steps with R3 on
 a never-used slot (clean). Modes:
 
     default   vLLM's CUDA default (VLLM_COMPILE, FULL_AND_PIECEWISE): the
-              guarded twins of the core ops own the groups
+              op guard (in the guarded ops) owns the groups
     eager     enforce_eager=True (no graph): the step guard zeroes fresh
               slots when the metadata is built
     mtp1/2    Qwen3-Next and Qwen3.5 with their MTP drafter and
@@ -170,5 +170,5 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
     assert not off_vs["same_tokens"], f"pass off matched the isolated run: {off['tokens']}"
     assert fixed, on_vs
     assert r2["same_tokens"] and r2["max_logprob_diff"] <= LOGPROB_TOL, r2
-    expected_owner = ["step"] if mode == "eager" else ["graph"]
+    expected_owner = ["step"] if mode == "eager" else ["op"]
     assert owners == expected_owner, case["on"]["step_guard"]

@@ -1,4 +1,4 @@
-"""The op-level guard's zeroing on CUDA: sync-free, captured once in a CUDA
+"""The op guard's zeroing on CUDA: sync-free, captured once in a CUDA
 graph, replayed with different fresh rows restaged in place. Caches are
 random "previous owners' state"; only the fresh rows' slots may change.
 """

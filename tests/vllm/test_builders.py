@@ -66,7 +66,7 @@ def test_the_gdn_builder_reroutes_exactly_where_the_entry_says(monkeypatch):
 
 @pytest.mark.skipif(not REROUTES, reason="vLLM reroutes fresh GDN rows from 0.31 on")
 def test_where_vllm_fixed_the_builder_the_entry_stands_down_with_one_line_and_no_step_work(monkeypatch, caplog):
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     monkeypatch.setattr(metadata_hook, "_warned", set())
     config = vllm_config(configured=True)
     caches = bind_poisoned_caches(config)
@@ -98,7 +98,7 @@ def test_on_the_v1_runner_with_full_graphs_fresh_rows_stay_on_decode_and_are_zer
     assert GPUModelRunner._is_uniform_decode(max_num_scheduled_tokens=1, uniform_decode_query_len=1,
                                              num_tokens=3, num_reqs=3)
     monkeypatch.setattr(builders, "_reroute_holds", lambda config: None)  # V1 runner, FULL graphs, CUDA
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     unhooked_config = vllm_config(configured=False)
     unhooked_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     unhooked = new_builder(unhooked_config, like_0_26=False, monkeypatch=monkeypatch)
@@ -137,7 +137,7 @@ def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed
     cls = entry.builder_class()
     if cls is None:
         pytest.skip(f"vLLM {compat.vllm_version()} has no Kimi-K3 KDA builder")
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     config = vllm_config(configured=True)
     caches = bind_poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False, cls=cls)

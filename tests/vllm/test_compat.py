@@ -61,13 +61,13 @@ def test_every_core_op_of_this_release_is_registered_with_the_known_schema(regis
     assert compat.core_op_problems() == []
 
 
-def test_every_registered_core_op_gets_a_guarded_twin_with_its_schema(registered_ops):
+def test_every_registered_core_op_gets_a_guarded_op_with_its_schema(registered_ops):
     for qualname in sorted(registered_ops & set(KNOWN_OPAQUE_STATE_OPS)):
         op = getattr(torch.ops.vllm, qualname.split("::")[1]).default
-        twin = guarded_overload(op, KNOWN_OPAQUE_STATE_OPS[qualname])
-        assert [(a.name, str(a.type)) for a in twin._schema.arguments] == [
+        guarded = guarded_overload(op, KNOWN_OPAQUE_STATE_OPS[qualname])
+        assert [(a.name, str(a.type)) for a in guarded._schema.arguments] == [
             (a.name, str(a.type)) for a in op._schema.arguments]
-        assert [a.alias_info is not None and a.alias_info.is_write for a in twin._schema.arguments] == [
+        assert [a.alias_info is not None and a.alias_info.is_write for a in guarded._schema.arguments] == [
             a.alias_info is not None and a.alias_info.is_write for a in op._schema.arguments]
 
 

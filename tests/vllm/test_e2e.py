@@ -55,10 +55,10 @@ def test_the_compiled_graph_was_rewritten_once_per_gdn_layer(demo):
 
 
 def test_compiled_engine_leaves_the_zeroing_to_the_guarded_ops(demo):
-    """The graph guard owns every group; the step guard never zeroes a slot a twin zeroes."""
+    """The op guard owns every group; the step guard never zeroes a slot an op guard zeroes."""
     on = demo["results"]["pass_on"]["step_guard"]
     assert set(on["owners"]) == {f"model.layers.{i}.linear_attn" for i in range(GDN_LAYERS)}
-    assert set(on["owners"].values()) == {"graph"}, on
+    assert set(on["owners"].values()) == {"op"}, on
     assert on["steps_zeroed"] == 0, on
 
 

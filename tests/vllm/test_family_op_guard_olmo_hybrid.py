@@ -159,9 +159,9 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def test_registry_matches_vllm_schema():
     assert schema_mismatch(OP, SPEC) is None, str(OP._schema)
-    twin = guarded_overload(OP, SPEC)
-    assert twin.name() == "gdn_pass::guarded_olmo_hybrid_gdn_full_forward"
-    assert [(a.name, str(a.type), a.is_write) for a in twin._schema.arguments] == [
+    guarded = guarded_overload(OP, SPEC)
+    assert guarded.name() == "gdn_pass::guarded_olmo_hybrid_gdn_full_forward"
+    assert [(a.name, str(a.type), a.is_write) for a in guarded._schema.arguments] == [
         (a.name, str(a.type), a.is_write) for a in OP._schema.arguments]
 
 

@@ -65,11 +65,11 @@ def test_guarded_op_has_the_original_schema():
     g = gdn_graph(1)
     GDNStatePass()(g)
     guarded = torch.ops.gdn_pass.guarded_cpu_gdn_attention_core.default
-    original, twin = CPU_CORE._schema, guarded._schema
-    assert [(a.name, str(a.type), a.is_write) for a in twin.arguments] == [
+    original, guarded_schema = CPU_CORE._schema, guarded._schema
+    assert [(a.name, str(a.type), a.is_write) for a in guarded_schema.arguments] == [
         (a.name, str(a.type), a.is_write) for a in original.arguments
     ]
-    assert twin.returns == original.returns
+    assert guarded_schema.returns == original.returns
 
 
 def test_pass_is_idempotent():

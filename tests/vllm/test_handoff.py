@@ -23,10 +23,10 @@ def test_attach_and_read_back():
 @pytest.mark.parametrize("op_guard_owns", [False, True])
 def test_the_hook_sets_one_attribute_on_vllms_metadata(monkeypatch, op_guard_owns):
     """Whichever guard owns the group, the built metadata differs from vLLM's own by the hand-off only."""
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     builder = new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
     if op_guard_owns:
-        monkeypatch.setattr(builder, "_gdn_pass_owner", step_guard.Owner.GRAPH, raising=False)
+        monkeypatch.setattr(builder, "_gdn_pass_owner", step_guard.Owner.OP, raising=False)
     metadata = builder.build(0, bug_step())
     plain = builder.build.__wrapped__(builder, 0, bug_step())
     assert set(vars(metadata)) - set(vars(plain)) == {handoff.ATTR}

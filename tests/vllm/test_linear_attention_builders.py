@@ -117,8 +117,8 @@ def changed_slots(before, after):
 
 
 @pytest.fixture(autouse=True)
-def _no_twins(monkeypatch):
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+def _no_guarded_ops(monkeypatch):
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
 
 
 def qkv(tokens, seed=0):

@@ -302,7 +302,7 @@ def test_fresh_flags_of_one_step_never_reach_the_next(monkeypatch):
     the (now restored) request just wrote."""
     from gdn_pass.vllm import step_guard
 
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())  # the step guard zeroes, visibly
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())  # the step guard zeroes, visibly
     config = vllm_config(configured=True)
     caches = bind_poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
@@ -322,7 +322,7 @@ def test_rebound_caches_are_the_ones_zeroed(monkeypatch):
     (after profiling, on re-allocation) the fresh slot is zeroed in the new ones."""
     from gdn_pass.vllm import step_guard
 
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     config = vllm_config(configured=True)
     old = bind_poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)

@@ -4,7 +4,7 @@ A row must start from zero state if and only if no token of its request was
 computed before this step; the slot that matters is the one vLLM's kernels
 read the row's initial state from. Each test builds one step with the real
 ``GDNAttentionMetadataBuilder`` (configured with GDNStatePass, so the metadata
-hook stages rows and, with no guarded twin in this process, its step guard
+hook stages rows and, with no guarded op run in this process, the step guard
 zeroes the fresh slots at build time) from a real ``CommonAttentionMetadata``,
 for each kind of row:
 
@@ -140,9 +140,9 @@ def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool
     in full by ``stage_rows``, and the caches after the build."""
     config = engine_config(cache_mode, num_spec)
     caches = poisoned_caches(config)
-    # No guarded twin has run in this process: the step guard owns the group and
+    # No guarded op has run in this process: the step guard owns the group and
     # zeroes the fresh slots at build time, so the test sees what was zeroed.
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     builder = new_builder(config, like_0_26=like_0_26, monkeypatch=monkeypatch)
     # As MambaBase.get_kv_cache_spec (model_executor/layers/mamba/abstract.py) makes it:
     # the cache mode, and one spare block per speculative token.

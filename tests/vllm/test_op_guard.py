@@ -91,7 +91,7 @@ def test_first_guarded_layer_of_a_step_zeroes_the_whole_group_once(monkeypatch):
 @pytest.mark.parametrize("capturing", [False, True])
 def test_step_the_host_knows_has_no_fresh_row_launches_nothing_outside_capture(monkeypatch, capturing):
     """The metadata hook attaches its host count of fresh rows. With none, an eager
-    twin leaves the caches alone (here even with a fresh flag left set, to see it);
+    op guard leaves the caches alone (here even with a fresh flag left set, to see it);
     inside CUDA-graph capture it still zeroes, so the replayed graph covers later steps."""
     from gdn_pass.vllm import op_guard
 

@@ -1,9 +1,9 @@
-"""The step guard: fresh slots zeroed at metadata build where no compiled graph guards them.
+"""The step guard: fresh slots zeroed at metadata build where no op guard covers the group.
 
 A real GDN builder, wrapped by the metadata hook, serves three layers whose
 poisoned caches sit in the static forward context. Each case says which guard
-owns the group (eager engine, compiled with every layer behind a guarded twin,
-compiled with a layer no twin reaches) and checks, on poisoned caches, that
+owns the group (eager engine, compiled with every layer behind a guarded op,
+compiled with a layer no guarded op reaches) and checks, on poisoned caches, that
 every fresh slot is zeroed exactly once per step, by exactly one guard, and
 nothing else is touched.
 """
@@ -32,10 +32,10 @@ def poisoned_layer(prefix):
 
 
 @pytest.fixture
-def twins(monkeypatch):
-    """A fresh registry of layers that guarded twins ran for, in this test only."""
+def guarded(monkeypatch):
+    """A fresh registry of layers whose guarded op ran, in this test only."""
     registry: set[str] = set()
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", registry)
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", registry)
     return registry
 
 
@@ -43,7 +43,7 @@ def twins(monkeypatch):
 def zero_calls(monkeypatch):
     """Every zeroing call, from either guard: (who, cache address)."""
     calls = []
-    for module, who in ((step_guard, "step"), (op_guard, "twin")):
+    for module, who in ((step_guard, "step"), (op_guard, "op")):
         original = module.zero_rows
 
         def counted(cache, slot, fresh, _original=original, _who=who):
@@ -77,7 +77,7 @@ def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names
 
 
 def forward(monkeypatch, layers, metadata, covered):
-    """The model's forward: a guarded twin runs for each layer in ``covered``."""
+    """The model's forward: a guarded op runs for each layer in ``covered``."""
     context = SimpleNamespace(no_compile_layers=layers, attn_metadata={n: metadata for n in layers})
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     for name in covered:
@@ -85,7 +85,7 @@ def forward(monkeypatch, layers, metadata, covered):
 
 
 def warm_up(monkeypatch, layers, covered):
-    """vLLM's profiling / warm-up forward: no metadata, the twins only note their layer."""
+    """vLLM's profiling / warm-up forward: no metadata, the op guards only note their layer."""
     context = SimpleNamespace(no_compile_layers=layers, attn_metadata=None)
     monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
     for name in covered:
@@ -104,7 +104,7 @@ def caches_of(layers):
     return sorted(t.data_ptr() for layer in layers.values() for t in layer.kv_cache)
 
 
-def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, twins, zero_calls):
+def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, guarded, zero_calls):
     builder, layers = engine(monkeypatch, compiled=False)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
     assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
@@ -114,34 +114,34 @@ def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, twins, zero_ca
     assert {who for who, _ in zero_calls} == {"step"}
 
 
-def test_compiled_engine_with_every_layer_behind_a_twin_leaves_it_to_the_twins(
-        monkeypatch, twins, zero_calls):
+def test_compiled_engine_with_every_layer_behind_a_guarded_op_leaves_it_to_the_op_guard(
+        monkeypatch, guarded, zero_calls):
     builder, layers = engine(monkeypatch, compiled=True)
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert builder.__dict__["_gdn_pass_owner"] is Owner.GRAPH
-    assert not zero_calls, "the step guard acted although the twins own the group"
+    assert builder.__dict__["_gdn_pass_owner"] is Owner.OP
+    assert not zero_calls, "the step guard acted although the op guard owns the group"
     assert layers[LAYERS[0]].kv_cache[1][FRESH_SLOT].eq(6.0).all()
     forward(monkeypatch, layers, metadata, covered=LAYERS)
     assert_only_fresh_slot_zeroed(layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers)
-    assert {who for who, _ in zero_calls} == {"twin"}
+    assert {who for who, _ in zero_calls} == {"op"}
 
 
-def test_compiled_engine_with_a_layer_no_twin_reaches_is_guarded_at_build(
-        monkeypatch, twins, zero_calls):
+def test_compiled_engine_with_a_layer_no_guarded_op_reaches_is_guarded_at_build(
+        monkeypatch, guarded, zero_calls):
     """Kimi-Linear's layout in vLLM 0.27+: one layer reads its state in plain Python."""
     builder, layers = engine(monkeypatch, compiled=True)
     warm_up(monkeypatch, layers, covered=LAYERS[:2])
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
     assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
-    forward(monkeypatch, layers, metadata, covered=LAYERS[:2])  # the twins find it done
+    forward(monkeypatch, layers, metadata, covered=LAYERS[:2])  # the op guards find it done
     assert_only_fresh_slot_zeroed(layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a slot zeroed twice or never"
     assert {who for who, _ in zero_calls} == {"step"}
 
 
-def test_step_without_fresh_rows_launches_nothing(monkeypatch, twins, zero_calls):
+def test_step_without_fresh_rows_launches_nothing(monkeypatch, guarded, zero_calls):
     builder, layers = engine(monkeypatch, compiled=False)
     decodes = common_metadata([9, 4, 30], [1, 1, 1])
     import dataclasses
@@ -153,10 +153,10 @@ def test_step_without_fresh_rows_launches_nothing(monkeypatch, twins, zero_calls
     assert layers[LAYERS[0]].kv_cache[1].eq(6.0).all()
 
 
-def test_owner_is_fixed_at_the_first_build(monkeypatch, twins, zero_calls):
+def test_owner_is_fixed_at_the_first_build(monkeypatch, guarded, zero_calls):
     """A CUDA graph captured under one owner is replayed under it: no later switch."""
     builder, layers = engine(monkeypatch, compiled=True)
-    builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # no twin has run yet
+    builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # no guarded op has run yet
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
     assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
@@ -164,11 +164,11 @@ def test_owner_is_fixed_at_the_first_build(monkeypatch, twins, zero_calls):
 
 
 def test_decide_owner():
-    step_guard._TWIN_LAYERS.add("covered.layer")
+    step_guard._GUARDED_LAYERS.add("covered.layer")
     try:
-        assert step_guard.decide_owner(["covered.layer"], compiled=True) is Owner.GRAPH
+        assert step_guard.decide_owner(["covered.layer"], compiled=True) is Owner.OP
         assert step_guard.decide_owner(["covered.layer"], compiled=False) is Owner.STEP
         assert step_guard.decide_owner(["covered.layer", "python.layer"], compiled=True) is Owner.STEP
         assert step_guard.decide_owner([], compiled=True) is Owner.STEP
     finally:
-        step_guard._TWIN_LAYERS.discard("covered.layer")
+        step_guard._GUARDED_LAYERS.discard("covered.layer")

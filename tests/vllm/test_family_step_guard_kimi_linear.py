@@ -80,7 +80,7 @@ def test_step_guard_zeroes_kimi_state_at_metadata_build(monkeypatch):
 
     from gdn_pass.vllm import step_guard
 
-    monkeypatch.setattr(step_guard, "_TWIN_LAYERS", set())
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     names = [f"model.layers.{i}.self_attn" for i in range(3)]
     builder, layers = engine(monkeypatch, compiled=False, new_layer=kimi_layer, layer_names=names)
     before = {n: [t.clone() for t in layer.kv_cache] for n, layer in layers.items()}
