@@ -136,12 +136,11 @@ class HookClock:
 
     def __init__(self):
         from gdn_pass.metadata import StagedRowMetadata
-        from gdn_pass.vllm import compat, metadata_hook, step_guard
+        from gdn_pass.vllm import compat, metadata_hook, rows, step_guard
 
         self.seconds = 0.0
         self.by_function: dict[str, float] = {}
-        for owner, name, label in ((metadata_hook, "host_rows", "host_rows"),
-                                   (metadata_hook.HostRows, "stage_fresh", "stage_fresh"),
+        for owner, name, label in ((rows.HostRows, "stage_fresh", "stage_fresh"),
                                    (StagedRowMetadata, "stage_no_fresh", "stage_no_fresh"),
                                    (StagedRowMetadata, "_copy_fresh_flags", "stage_fresh/flags"),
                                    (metadata_hook, "_owner", "_owner"),

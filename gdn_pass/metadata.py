@@ -63,8 +63,8 @@ class StagedRowMetadata:
         fresh: bool, ``valid & ~has_initial_state``, outside ``zero_start_rows``:
             the row's slot must read as zero and its kernels would read it.
         state_slot: int64, the state slot the row reads and writes (for a
-            restored speculative row, its first column; see
-            ``gdn_pass.vllm.metadata_hook.stage_rows``), or the first padding
+            restored speculative row, its first column, as the vLLM
+            adapter's ``rows.gdn_rows`` orders them), or the first padding
             sentinel for padding rows.
     """
 

@@ -167,7 +167,7 @@ class StepTrace:
                 state["builder"] = id(builder)
             if id(builder) != state["builder"]:
                 return
-            m = compat.build_inputs(original_build, builder, args, kwargs)
+            m, _ = compat.step_inputs(original_build, builder, args, kwargs)
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
             slots = _state_slots(md)

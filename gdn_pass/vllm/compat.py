@@ -53,7 +53,6 @@ __all__ = [
     "CoreOp",
     "TESTED_RELEASES",
     "UnsupportedVLLM",
-    "build_inputs",
     "builder_class",
     "builder_context",
     "check_supported",
@@ -187,13 +186,10 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
     )
 
 
-def build_inputs(build, builder, args: tuple, kwargs: dict):
-    """``common_attn_metadata`` of a ``build`` call, positional (0.30) or keyword (0.26)."""
-    return step_inputs(build, builder, args, kwargs)[0]
-
-
 def step_inputs(build, builder, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
     """``common_attn_metadata`` and ``num_decode_draft_tokens_cpu`` of a ``build`` call, bound once.
+
+    Either may be passed by position (0.30) or by keyword (0.26).
 
     The draft counts are per row the draft tokens of a speculative row (``>= 0``)
     or -1; the builder's ``spec_sequence_masks`` is their ``>= 0`` (0.26-0.31),
@@ -294,7 +290,7 @@ def decode_rows(common, metadata) -> DecodeRows | None:
     """The step's ``DecodeRows``, or None where they cannot say which rows are new.
 
     None on steps with speculative rows (their fresh rows need the host's
-    view, ``metadata_hook.host_rows``), on releases without these fields, and
+    view, ``rows.gdn_rows``), on releases without these fields, and
     on a step whose tensors are shorter than its decode rows: the caller then
     stages the rows itself. Runs at every build, so it checks only what can
     change from step to step (a few attribute reads, ~1 us).

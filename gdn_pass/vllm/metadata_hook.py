@@ -42,10 +42,9 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import StepHandoff, attach
-from gdn_pass.vllm.rows import HostRows, gdn_rows
 from gdn_pass.vllm.zero_rows import CacheTable
 
-__all__ = ["HostRows", "host_rows", "install", "is_installed", "stage_rows"]
+__all__ = ["install", "is_installed"]
 
 from gdn_pass._logging import logger
 
@@ -56,9 +55,6 @@ _BUILDER_GROUP_STATE = "_gdn_pass_group_state"
 _BUILDER_OWNER = "_gdn_pass_owner"
 _BUILDER_KEEPS_DECODES = "_gdn_pass_keeps_decodes"
 _warned: set[str] = set()
-
-# The GDN builder's rows (kept under this name: tests and benchmarks call it).
-host_rows = gdn_rows
 
 
 def is_installed() -> bool:
@@ -249,20 +245,6 @@ def _new_rows(builder, context: compat.BuilderContext, entry: builders.StateBuil
     if entry.spec_columns:  # one staged row per slot column of a speculative row
         max_rows *= 1 + (getattr(cfg, "num_speculative_tokens", None) or 0)
     return StagedRowMetadata(max_rows, device=context.device, pad_slot_ids=compat.pad_slot_ids())
-
-
-def stage_rows(rows: StagedRowMetadata, common, metadata, draft_counts: torch.Tensor | None = None) -> int:
-    """Refresh every buffer of ``rows`` for one step from vLLM's common and GDN metadata.
-
-    The rows are ``rows.gdn_rows``'s (see there for their order and which can
-    be fresh). The metadata hook stages only what its guards read:
-    ``HostRows.stage_fresh`` on steps with a row to zero,
-    ``StagedRowMetadata.stage_no_fresh`` on the others. Returns the number of
-    fresh rows as the host sees them (``HostRows.fresh``).
-    """
-    step = gdn_rows(common, metadata, draft_counts)
-    step.stage(rows)
-    return step.fresh
 
 
 def _warn_about_mode(vllm_config, configured: bool) -> None:

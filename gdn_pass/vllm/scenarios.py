@@ -132,7 +132,7 @@ class StepRecorder:
         @functools.wraps(original)
         def build(builder, *args, **kwargs):  # vLLM 0.26 passes keywords, 0.30 positions
             md = original(builder, *args, **kwargs)
-            m = compat.build_inputs(original, builder, args, kwargs)
+            m, _ = compat.step_inputs(original, builder, args, kwargs)
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
             slots = getattr(md, "non_spec_state_indices_tensor", getattr(md, "state_indices_tensor", None))

@@ -98,11 +98,11 @@ def test_builder_context_from_positional_and_keyword_arguments():
     assert positional.device == torch.device("cpu")
 
 
-def test_build_inputs_from_positional_and_keyword_calls():
+def test_step_inputs_from_positional_and_keyword_calls():
     build = compat.builder_class().build
     common = object()
-    assert compat.build_inputs(build, None, (0, common), {}) is common
-    assert compat.build_inputs(build, None, (), dict(common_prefix_len=0, common_attn_metadata=common)) is common
+    assert compat.step_inputs(build, None, (0, common), {})[0] is common
+    assert compat.step_inputs(build, None, (), dict(common_prefix_len=0, common_attn_metadata=common))[0] is common
     drafts = object()
     assert compat.step_inputs(build, None, (0, common, None, drafts), {}) == (common, drafts)
     assert compat.step_inputs(build, None, (), dict(common_prefix_len=0, common_attn_metadata=common,

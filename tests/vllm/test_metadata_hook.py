@@ -7,7 +7,16 @@ import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat, metadata_hook
+from gdn_pass.vllm.rows import gdn_rows
 from vllm.v1.attention.backend import CommonAttentionMetadata
+
+
+def stage_all(rows: StagedRowMetadata, common, metadata, draft_counts=None) -> int:
+    """Stage every buffer of ``rows`` for one GDN step (``rows.HostRows.stage``), where the hook
+    stages only what its guards read; return the count of rows to zero."""
+    step = gdn_rows(common, metadata, draft_counts)
+    step.stage(rows)
+    return step.fresh
 
 
 def common_metadata(computed, qlens, *, with_cpu_seq_lens=True, pad_to=None):
@@ -47,7 +56,7 @@ def test_fresh_one_token_row_among_decodes(with_cpu_seq_lens):
     # The bug's step: every row has one token; row 1 is brand new on slot 4.
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([9, 0, 30], [1, 1, 1], with_cpu_seq_lens=with_cpu_seq_lens)
-    metadata_hook.stage_rows(rows, common, gdn_metadata([3, 4, 5], num_decodes=3))
+    stage_all(rows, common, gdn_metadata([3, 4, 5], num_decodes=3))
     assert rows.has_initial_state[:3].tolist() == [True, False, True]
     assert rows.valid[:3].tolist() == [True, True, True]
     assert rows.fresh_slots().tolist() == [4]
@@ -58,7 +67,7 @@ def test_mixed_batch_with_padding_sentinels():
     # decode, continued chunk, one-token continued chunk, fresh prefill, 2 padding rows
     common = common_metadata([5, 64, 64, 0], [1, 32, 1, 7], pad_to=6)
     sentinel = compat.pad_slot_ids()[-1]
-    fresh = metadata_hook.stage_rows(rows, common, gdn_metadata([3, 4, 5, 6, sentinel, sentinel], num_decodes=1))
+    fresh = stage_all(rows, common, gdn_metadata([3, 4, 5, 6, sentinel, sentinel], num_decodes=1))
     assert rows.valid.tolist() == [True] * 4 + [False] * 4
     assert rows.has_initial_state[:4].tolist() == [True, True, True, False]
     assert rows.reads_state[:4].tolist() == [True, True, True, False]
@@ -71,7 +80,7 @@ def test_fresh_one_token_row_ahead_of_a_prefill_is_zeroed_the_fresh_prefill_is_n
     # one-token row (slot 7) reads its slot; the new 8-token prompt (slot 9) does not
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([12, 0, 0], [1, 1, 8])
-    fresh = metadata_hook.stage_rows(rows, common, gdn_metadata([3, 7, 9], num_decodes=2))
+    fresh = stage_all(rows, common, gdn_metadata([3, 7, 9], num_decodes=2))
     assert rows.has_initial_state[:3].tolist() == [True, False, False]
     assert rows.fresh_slots().tolist() == [7] and fresh == 1
 
@@ -85,7 +94,7 @@ def test_speculative_rows_are_staged_with_their_initial_state_slot(host_counts):
     draft_counts = torch.tensor([2, -1, 2]) if host_counts else None
     # with speculative rows in the step vLLM runs every non-speculative row through
     # its prefill kernels (num_decodes 0), which start a fresh row from zero state
-    fresh = metadata_hook.stage_rows(
+    fresh = stage_all(
         rows, common, gdn_metadata([9], spec_mask=[True, False, True], spec_slots=[[3, 4, 5], [6, 7, 8]],
                                    num_decodes=0),
         draft_counts)
@@ -102,7 +111,7 @@ def test_fresh_row_padded_into_a_speculative_row_is_fresh():
     non-spec slots at all (vLLM 0.26: the bug under MTP)."""
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     common = common_metadata([40, 0], [2, 2])  # R2 decoding with 1 draft; R3 brand new, padded
-    fresh = metadata_hook.stage_rows(
+    fresh = stage_all(
         rows, common, gdn_metadata(None, spec_mask=[True, True], spec_slots=[[3, 4], [6, 7]], num_decodes=0),
         torch.tensor([1, 1]))
     assert rows.fresh_slots().tolist() == [6]
@@ -113,7 +122,7 @@ def test_fresh_row_padded_into_a_speculative_row_is_fresh():
 def test_row_count_mismatch_is_an_error():
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     with pytest.raises(MetadataError, match="state slots for 2 scheduler rows"):
-        metadata_hook.stage_rows(rows, common_metadata([1, 2], [1, 1]), gdn_metadata([3, 4, 5], num_decodes=2))
+        stage_all(rows, common_metadata([1, 2], [1, 1]), gdn_metadata([3, 4, 5], num_decodes=2))
 
 
 def test_pad_slot_ids_of_this_vllm():
@@ -254,7 +263,7 @@ def test_unconfigured_engine_survives_a_broken_adapter(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("adapter bug")
 
-    for name in ("builder_context", "build_inputs", "check_supported", "num_computed_tokens"):
+    for name in ("builder_context", "step_inputs", "check_supported", "num_computed_tokens"):
         monkeypatch.setattr(compat, name, broken)
     builder = new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
     assert handoff_of(builder.build(0, bug_step())) is None

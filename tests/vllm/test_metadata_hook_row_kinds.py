@@ -60,9 +60,9 @@ import pytest
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import compat, metadata_hook, op_guard, step_guard
+from gdn_pass.vllm import compat, op_guard, step_guard
 from gdn_pass.vllm.handoff import handoff_of
-from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder
+from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder, stage_all
 
 BLOCK = 16  # block_size of the MambaSpec that new_builder() gives the builder
 NUM_BLOCKS = 32  # slots in each test cache; block 0 is vLLM's null block
@@ -137,7 +137,7 @@ def poisoned_caches(config) -> list[torch.Tensor]:
 def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool, monkeypatch):
     """Build one step; return vLLM's metadata, the hook's staged rows (only what its
     guards read: the rows to zero and their slots), every row of the step staged
-    in full by ``stage_rows``, and the caches after the build."""
+    in full (``stage_all``), and the caches after the build."""
     config = engine_config(cache_mode, num_spec)
     caches = poisoned_caches(config)
     # No guarded op has run in this process: the step guard owns the group and
@@ -159,7 +159,7 @@ def run_step(reqs: list[Req], *, cache_mode: str, num_spec: int, like_0_26: bool
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=common, **kwargs)  # 0.26's call
     rows = handoff_of(metadata).rows
     full = StagedRowMetadata(rows.max_rows, pad_slot_ids=compat.pad_slot_ids())
-    metadata_hook.stage_rows(full, common, metadata, kwargs.get("num_decode_draft_tokens_cpu"))
+    stage_all(full, common, metadata, kwargs.get("num_decode_draft_tokens_cpu"))
     metadata.test_common = common  # for check_step's look at vLLM's own device lengths
     return metadata, rows, full, caches
 
