@@ -269,6 +269,7 @@ def _skip_zeroing() -> None:
 
     for module in (op_guard, step_guard):
         module.zero_rows = module.zero_rows_all = no_write
+    op_guard.zero_new_rows_all = no_write  # CUDA steps without speculative rows
 
 
 def _zeroing_without_writes() -> None:
@@ -286,6 +287,16 @@ def _zeroing_without_writes() -> None:
     for module in (op_guard, step_guard):
         module.zero_rows = without_writes(module.zero_rows)
         module.zero_rows_all = without_writes(module.zero_rows_all)
+
+    # CUDA steps without speculative rows find fresh rows on the device (query_len ==
+    # seq_len): the same launch with every seq_len one longer finds none.
+    zero_new = op_guard.zero_new_rows_all
+
+    @functools.wraps(zero_new)
+    def launch_new(table, slot, query_start_loc, seq_lens, num_rows, max_rows):
+        return zero_new(table, slot, query_start_loc, seq_lens + 1, num_rows, max_rows)
+
+    op_guard.zero_new_rows_all = launch_new
 
 
 _MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes}
