@@ -67,16 +67,17 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch,
-                                         fresh_reads, one_token_paths, perturbed_by_pass,
-                                         resume_points, resumed_drift)
+from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch, fresh_reads,
+                                largest_shift, one_token_paths, perturbed_by_pass, resume_points, resumed_drift)
 
-__all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT"]
+__all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
+           "HARNESS_FIX"]
 
 TOP_LOGPROBS = 5  # the reference's top tokens, to tell a near tie from a real difference
 TRACE_EXTENSION = "harness.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
 _COMPANION = list(range(100, 108))  # one 8-token chunk
+HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harness (step_trace)
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
@@ -411,14 +412,22 @@ def _row_kind_totals(traces: list[dict]) -> dict:
 def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: str,
          guards=("off", "on"), python: str = sys.executable, progress=print,
          engine_args: dict | None = None, parallel: int = 1, reference_shards: int = 1,
-         engine_env=lambda name: {}, trace_detail: bool = False) -> dict:
+         engine_env=lambda name: {}, trace_detail: bool = False,
+         repeat_baseline_if_perturbed: bool = False, pass_on: str = "on") -> dict:
     """Run one seeded stream with the pass off and on; compare each request with its reference.
 
     ``engine_args`` go to every engine (e.g. the GPU's memory settings);
     ``parallel`` engines run at once; the reference prompts are split over
     ``reference_shards`` engines; ``engine_env(name)`` adds environment
     variables per engine (e.g. its own compile caches); ``trace_detail`` keeps
-    every step's rows in the streams' raw results (``benchmarks/fuzz_locate.py``).
+    every step's rows in the streams' raw results; ``repeat_baseline_if_perturbed``:
+    where the pass moved a request against the baseline, run the baseline
+    stream once more, to tell the host's own run-to-run noise from a
+    footprint of the pass (``summary["baseline_repeat"]``); ``pass_on``: which
+    pass-on stream of ``guards`` is compared with the pass-off one. With
+    ``HARNESS_FIX`` among ``guards``, the pass's footprint is judged against
+    that stream (every request, bit for bit) rather than against pass off
+    (the requests the guard did not act on).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     settings = engine_settings(config)
@@ -451,15 +460,17 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                 jobs.append((dict(role="reference", model=str(model), guard=False, config=config,
                                   prompts=part, engine_args=engine_args or {}),
                              f"reference_{config}_s{seed}_{shard}"))
+    stream_specs = {}
     for guard in guards:
-        # "on+<mutation>": the pass on, broken on purpose (step_trace.MUTATION_ENV)
-        mutation = guard.partition("+")[2] or None
-        jobs.append((dict(role="stream", model=str(model), guard=guard != "off", config=config,
-                          mutation=mutation,
-                          stream=[asdict(r) for r in stream], engine_args=engine_args or {},
-                          trace_detail=trace_detail,
-                          report_dir=str(workdir / f"reports_{config}_s{seed}_{guard}")),
-                     f"stream_{config}_s{seed}_{guard}"))
+        # "on+<mutation>": the pass on, broken on purpose (step_trace.MUTATION_ENV);
+        # "off+harness_zeroing": the pass off, the fix done by the harness instead
+        mode, _, mutation = guard.partition("+")
+        stream_specs[guard] = dict(role="stream", model=str(model), guard=mode != "off", config=config,
+                                   mutation=mutation or None,
+                                   stream=[asdict(r) for r in stream], engine_args=engine_args or {},
+                                   trace_detail=trace_detail,
+                                   report_dir=str(workdir / f"reports_{config}_s{seed}_{guard}"))
+        jobs.append((stream_specs[guard], f"stream_{config}_s{seed}_{guard}"))
     progress(f"stream seed={seed} config={config} pass {'/'.join(guards)}: {len(jobs)} engine(s), "
              f"{parallel} at a time ...")
     ran = _run_engines(jobs, workdir, python, parallel, engine_env)
@@ -542,19 +553,37 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             mismatches_of_preempted=len(preempted_mismatches),
             trace=_row_kind_totals(run.get("traces", [])),
             mismatched_ids=sorted(outcome["mismatch"]), near_tie_ids=sorted(outcome["near_tie"]))
-    if {"off", "on"} <= set(guards):
+    if {"off", pass_on} <= set(guards):
         # Requests whose output the pass changed: each must be one it fixes (a
         # pass-off mismatch) or a near tie; anything else it changed wrongly.
-        off_run, on_run = (ran[f"stream_{config}_s{seed}_{g}"]["results"] for g in ("off", "on"))
+        off_run, on_run = (ran[f"stream_{config}_s{seed}_{g}"]["results"] for g in ("off", pass_on))
         changed = sorted(r.rid for r in stream
                          if off_run.get(r.rid, {}).get("tokens") != on_run.get(r.rid, {}).get("tokens"))
         explained = (set(summary["runs"]["off"]["mismatched_ids"]) | set(summary["runs"]["off"]["near_tie_ids"])
-                     | set(summary["runs"]["on"]["near_tie_ids"]))
+                     | set(summary["runs"][pass_on]["near_tie_ids"]))
         summary["changed_by_pass"] = len(changed)
         summary["changed_by_pass_unexplained"] = sorted(set(changed) - explained)
-        # Every request the guard did not act on must come out bit for bit the same.
-        perturbed = perturbed_by_pass(off_run, on_run, set(fresh_reads(ran[f"stream_{config}_s{seed}_on"])))
+        # The pass's footprint, bit for bit. Against the harness's own fix where that ran
+        # (HARNESS_FIX: every request, fixed ones included, as a fix without gdn-pass
+        # gives it); else against pass off, every request the guard did not act on.
+        baseline = HARNESS_FIX if HARNESS_FIX in guards else "off"
+        base_run = ran[f"stream_{config}_s{seed}_{baseline}"]["results"]
+        acted_on = set() if baseline == HARNESS_FIX else set(fresh_reads(ran[f"stream_{config}_s{seed}_{pass_on}"]))
+        perturbed = perturbed_by_pass(base_run, on_run, acted_on)
+        summary["footprint_baseline"] = baseline
         summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))
+        summary["largest_shift_by_pass"] = largest_shift(base_run, on_run, acted_on)
+        if perturbed and repeat_baseline_if_perturbed:
+            # The baseline stream once more, in a new engine: bit for bit what it gave
+            # before, unless this host's numerics are not reproducible from run to run.
+            progress(f"pass on moved requests against {baseline}: that stream once more ...")
+            name = f"stream_{config}_s{seed}_{baseline}_again"
+            again = _run_engines([(stream_specs[baseline], name)], workdir, python, parallel,
+                                 engine_env)[name]["results"]
+            repeat = perturbed_by_pass(base_run, again, acted_on)
+            summary["baseline_repeat"] = dict(
+                perturbed=dict(sorted(repeat.items(), key=lambda kv: int(kv[0][1:]))),
+                largest_shift=largest_shift(base_run, again, acted_on))
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 

@@ -32,7 +32,7 @@ class FuzzRequest(Protocol):
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
            "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads", "logprob_drift",
-           "perturbed_by_pass", "first_token_mismatch"]
+           "perturbed_by_pass", "largest_shift", "first_token_mismatch"]
 
 NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
 # Matching tokens whose logprobs differ by more than this are a mismatch. The
@@ -186,3 +186,23 @@ def perturbed_by_pass(off: dict[str, dict], on: dict[str, dict], acted_on: set[s
                 perturbed[rid] = i
                 break
     return perturbed
+
+
+def largest_shift(off: dict[str, dict], on: dict[str, dict], acted_on: set[str]) -> float:
+    """Largest |logprob difference| between two runs of one stream, over the requests
+    outside ``acted_on`` and the leading tokens each run chose alike.
+
+    Next to ``perturbed_by_pass`` (which requests moved at all), how far they
+    moved: what two pass-off runs of one stream give is the host's own
+    run-to-run noise, the yardstick where it is not zero.
+    """
+    shift = 0.0
+    for rid, a in off.items():
+        b = on.get(rid)
+        if rid in acted_on or b is None or "tokens" not in a or "tokens" not in b:
+            continue
+        for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+            if ta != tb:
+                break
+            shift = max(shift, abs(la - lb))
+    return shift

@@ -20,7 +20,8 @@ from a fresh engine's state. Test instrumentation only: the plugin itself
 never installs it.
 
 ``GDN_FUZZ_MUTATION`` in the environment changes the guard on purpose in
-every worker that loads this extension, for diagnostic runs:
+every worker that loads this extension, for diagnostic runs (or, for
+``harness_zeroing``, fixes the bug without gdn-pass):
 
     skip_zeroing            the pass rewrites and stages, but no zeroing kernel
                             runs: the guard is broken (what its presence alone
@@ -28,6 +29,12 @@ every worker that loads this extension, for diagnostic runs:
     zeroing_without_writes  the zeroing kernels run with every row marked not
                             fresh: the same launches, no write (what the writes
                             change, apart from the launches)
+    harness_zeroing         (pass off) the harness zeroes each fresh decode row's
+                            slot itself after the build: the fix's effect without
+                            gdn-pass, the reference for the pass's footprint
+    nudge_live_rows         (CPU) each zeroing also scales the live rows' state by
+                            1 + 2**-6: a footprint outside the rows the guard acts
+                            on, which the fuzz's footprint check must catch
 """
 
 from __future__ import annotations
@@ -299,7 +306,76 @@ def _zeroing_without_writes() -> None:
     op_guard.zero_new_rows_all = launch_new
 
 
-_MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes}
+def _nudge_live_rows() -> None:
+    """Each CPU zeroing also scales the state of the rows it must leave alone by 1 + 2**-6:
+    a guard whose footprint reaches live rows, too small to change most tokens."""
+    from gdn_pass.vllm import op_guard, step_guard
+
+    def nudging(zero):
+        @functools.wraps(zero)
+        def launch(cache, slot, fresh):
+            zero(cache, slot, fresh)
+            live = slot[~fresh & (slot >= 0)]
+            cache[live] = cache[live] * (1 + 2 ** -6)
+
+        return launch
+
+    for module in (op_guard, step_guard):
+        module.zero_rows = nudging(module.zero_rows)
+
+
+def _harness_zeroing() -> None:
+    """With the pass off: after every build of a registered builder, zero the slots
+    of its fresh rows on a decode path in every state tensor of its layers, by plain
+    indexing. What the fix must produce, reached without gdn-pass's hook, staging
+    or guards: the fuzz's reference for the pass's footprint."""
+    import torch
+
+    from gdn_pass.vllm import builders, compat
+
+    def zero_fresh_slots(builder, original_build, args, kwargs, md) -> None:
+        m, _ = compat.step_inputs(original_build, builder, args, kwargs)
+        qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs].tolist()
+        computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu().tolist()
+        paths = metadata_row_paths(md, m.num_reqs)
+        if "spec" in paths:
+            raise NotImplementedError("harness_zeroing: speculative rows are not supported")
+        # decodes first: row i of the builder's decodes reads slots[i]
+        slots = _state_slots(md)
+        fresh = [slots[i] for i, (c, q, path) in enumerate(zip(computed, qlens, paths))
+                 if c == 0 and q > 0 and path == "decode"]
+        if not fresh:
+            return
+        names = getattr(builder, "layer_names", None)
+        if not names:
+            raise NotImplementedError("harness_zeroing: this vLLM's builder has no layer_names")
+        index = torch.stack(fresh).to(torch.long)
+        index = index[index >= 0]
+        context = builder.vllm_config.compilation_config.static_forward_context
+        for name in names:
+            stack = [getattr(context[name], "kv_cache", None)]
+            while stack:
+                x = stack.pop()
+                if isinstance(x, torch.Tensor) and x.numel():
+                    x.index_fill_(0, index.to(x.device), 0)
+                elif isinstance(x, (list, tuple)):
+                    stack.extend(x)
+
+    for _entry, builder_class in builders.installed():
+        if "build" not in vars(builder_class):
+            continue
+        original = builder_class.build
+
+        def build(builder, *args, _original=original, **kwargs):
+            md = _original(builder, *args, **kwargs)
+            zero_fresh_slots(builder, _original, args, kwargs, md)
+            return md
+
+        builder_class.build = functools.wraps(original)(build)
+
+
+_MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes,
+              "nudge_live_rows": _nudge_live_rows, "harness_zeroing": _harness_zeroing}
 
 
 def apply_mutation(name: str | None) -> None:

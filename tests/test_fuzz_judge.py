@@ -12,7 +12,7 @@ import pytest
 
 from harness.fuzz import FuzzRequest
 from harness.fuzz_judge import (DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, first_token_mismatch,
-                                          perturbed_by_pass)
+                                          largest_shift, perturbed_by_pass)
 
 
 def result(tokens, logprobs, tops=None, **extra):
@@ -88,6 +88,15 @@ def test_a_logprob_changed_in_a_row_the_guard_never_touched_is_perturbed():
     off = {"q0": result([5, 6, 7, 8], [-1.0, -2.0, -0.5, -1.5]), "q1": result([3], [-0.25])}
     on = {"q0": result([5, 6, 7, 8], [-1.0, -2.0, -0.5 + 2 ** -10, -1.49]), "q1": result([3], [-0.25])}
     assert perturbed_by_pass(off, on, acted_on=set()) == {"q0": 2}
+
+
+def test_largest_shift_is_over_untouched_rows_and_the_tokens_both_runs_chose():
+    off = {"q0": result([5, 6, 7], [-1.0, -2.0, -0.5]), "q1": result([3, 4], [-0.25, -1.0]),
+           "q2": result([8], [-4.0])}
+    on = {"q0": result([5, 6, 9], [-1.0, -2.03125, -9.0]),  # after the differing token: not compared
+          "q1": result([3, 4], [-0.25, -1.0078125]), "q2": result([8], [-1.0])}  # q2: acted on
+    assert largest_shift(off, on, acted_on={"q2"}) == 0.03125
+    assert largest_shift(off, json.loads(json.dumps(off)), acted_on=set()) == 0.0
 
 
 def test_a_changed_token_is_perturbed_at_its_position():

@@ -11,11 +11,12 @@ the first (384-token blocks, longer than its prompts).
 
 import json
 import sys
+import warnings
 
 import pytest
 
 from harness import fuzz as fz
-from harness.fuzz_judge import fresh_reads
+from harness.fuzz_judge import DRIFT_TOL, fresh_reads
 from harness.tiny_checkpoints import write_checkpoint
 from gdn_pass.vllm.scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
 
@@ -60,18 +61,19 @@ def checkpoints(engine_dir, qwen3_next_checkpoint):
 @pytest.mark.parametrize("config", ["preempt_prefix_hits", "bad_input_under_load"])
 def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, checkpoints, config):
     model = checkpoints[fz.CONFIG_CHECKPOINT.get(config, "qwen3_next")]
-    # bad input also runs the pass with its guard broken on purpose: the fuzz must catch that
-    broken = ("on+skip_zeroing",) if config == "bad_input_under_load" else ()
-    summary = fz.fuzz(model, engine_dir / "fuzz", seed=0, num_requests=40, guards=("off", "on", *broken),
-                      config=config, python=sys.executable, progress=lambda m: None)
+    # bad input also runs the pass with its guard broken on purpose: the fuzz must catch that;
+    # the preemption stream's footprint is judged against the harness's own fix
+    extra = {"bad_input_under_load": ("on+skip_zeroing",), "preempt_prefix_hits": (fz.HARNESS_FIX,)}[config]
+    summary = fz.fuzz(model, engine_dir / "fuzz", seed=0, num_requests=40, guards=("off", "on", *extra),
+                      config=config, python=sys.executable, progress=lambda m: None,
+                      repeat_baseline_if_perturbed=True)
     off, on = summary["runs"]["off"], summary["runs"]["on"]
     assert on["fresh_decode_steps"] > 0
     assert off["mismatches"] > 0, "the fuzz must be able to fail: pass off reads stale state"
     assert off["first_token_mismatches"] > 0, "no stale first token with the pass off"
     assert on["mismatches"] == 0, on["examples"]
     assert summary["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
-    # bit for bit: every request the guard did not act on is untouched (CPU numerics are batch-independent)
-    assert summary["perturbed_by_pass"] == {}, "the pass changed logprobs of rows it never acted on"
+    assert_no_footprint(summary)
     # the rows the pass fixed are exactly rows vLLM's split put fresh on a decode path (row_paths)
     fixed = set(off["mismatched_ids"]) - set(on["mismatched_ids"])
     assert fixed <= set(fresh_reads({"traces": [on["trace"]]})), fixed
@@ -79,7 +81,36 @@ def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, che
         assert on["preemptions"] > 0 and on["resumed_after_preemption"] > 0
         assert on["resume_references"] > 0 and on["prefix_cache_hits"] > 0
         assert on["trace"]["rows"]["continuation"] > 0
+    if config == "preempt_prefix_hits":  # the harness's fix is a fix: the reference's tokens
+        assert summary["runs"][fz.HARNESS_FIX]["mismatches"] == 0
     if config == "bad_input_under_load":
         assert on["rejected"] > 0 and on["aborted"] > 0
         assert summary["runs"]["on+skip_zeroing"]["first_token_mismatches"] > 0, \
             "a pass whose guard zeroes nothing must fail the fuzz"
+
+
+def assert_no_footprint(summary: dict) -> None:
+    """The pass-on stream equals the footprint baseline bit for bit.
+
+    The baseline is the harness's own fix where it ran (every request: with
+    the fresh slots zeroed either way, every row computes the same, whatever
+    the host's numerics do with a batch), else pass off (the requests the guard
+    did not act on; on hosts whose numerics depend on the other rows of a
+    batch, the fixed rows' new tokens move them too). Where the pass moved a
+    request, the fuzz ran the baseline once more: if that run is bit-identical
+    to the first, the move is the pass's doing and the test fails; if the host
+    moved requests between two runs of one engine configuration too, bit for
+    bit is out of reach there, and the pass's moves must stay within the
+    judge's logprob tolerance (DRIFT_TOL).
+    """
+    perturbed = summary["perturbed_by_pass"]
+    if not perturbed:
+        return
+    repeat = summary["baseline_repeat"]
+    detail = (f"pass on vs {summary['footprint_baseline']}: {len(perturbed)} request(s) moved, first "
+              f"positions {perturbed}, largest |logprob shift| {summary['largest_shift_by_pass']:.3g}; "
+              f"that baseline twice: {len(repeat['perturbed'])} moved, largest {repeat['largest_shift']:.3g}")
+    assert repeat["perturbed"], "the pass changed logprobs it must leave alone (" + detail + ")"
+    assert summary["largest_shift_by_pass"] <= DRIFT_TOL, detail
+    warnings.warn("this host does not reproduce a run bit for bit; footprint judged against "
+                  f"DRIFT_TOL: {detail}")
