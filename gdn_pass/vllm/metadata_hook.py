@@ -189,6 +189,15 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
     context = compat.builder_context(init, builder, args, kwargs)
     compat.check_supported(context, build, entry)
     builder.__dict__[_BUILDER_CONTEXT] = context
+    if getattr(builder, "supports_update_block_table", False):
+        # vLLM would build this metadata for the first group of a step only and derive the
+        # other groups' by update_block_table (dataclasses.replace): no hook would run for
+        # them and no hand-off reach their guards. Each group is built, as vLLM does for
+        # builders without that support (GDN's from 0.31 on the V2 runner, where it stands down).
+        builder.supports_update_block_table = False
+        _info_once(f"update-block-table:{entry.key}",
+                   f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
+                   "update_block_table shortcut would bypass the guard)")
     if entry.keeps_fresh_rows_on_decode():
         builder.__dict__[_BUILDER_KEEPS_DECODES] = True
         _info_once(f"keeps-decodes:{entry.key}",

@@ -121,6 +121,20 @@ def test_on_the_v1_runner_with_full_graphs_fresh_rows_stay_on_decode_and_are_zer
     assert metadata.num_prefills == 1 and zeroed(caches) == [[]] * 4
 
 
+def test_an_acting_builder_never_takes_vllms_update_block_table_shortcut(monkeypatch):
+    """Where a builder supports ``update_block_table`` (GDN's from 0.31 on the V2 runner) vLLM builds
+    one group's metadata and derives the others' without calling ``build``: no hook, no hand-off."""
+    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
+
+    monkeypatch.setattr(GDNAttentionMetadataBuilder, "supports_update_block_table", True, raising=False)
+    unconfigured = new_builder(vllm_config(configured=False), like_0_26=False, monkeypatch=monkeypatch)
+    if unconfigured.supports_update_block_table is not True:
+        pytest.skip("this vLLM's GDN builder decides update_block_table support per engine (0.31+: only "
+                    "on CUDA with the V2 runner, where the GDN entry stands down)")
+    acting = new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
+    assert acting.supports_update_block_table is False
+
+
 def test_a_release_newer_than_the_known_ones_stops_only_a_configured_engine(monkeypatch):
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.34.0")
     with pytest.raises(compat.UnsupportedVLLM) as error:
