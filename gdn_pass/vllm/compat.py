@@ -240,25 +240,40 @@ def engine_compiles(vllm_config) -> bool:
     return int(mode or 0) != 0
 
 
-def num_computed_tokens(common, query_lens: np.ndarray) -> np.ndarray:
+_SEQ_LEN_FIELDS = ("seq_lens_cpu_upper_bound", "seq_lens_cpu")
+_COMPUTED_FIELD = "num_computed_tokens_cpu"
+
+
+def host_lengths(common) -> tuple[torch.Tensor | None, str | None]:
+    """The host tensor ``num_computed_tokens`` reads and its field of ``common``; ``(None, None)``
+    where ``common`` has none and the counts come from the device.
+
+    Sequence lengths first: their upper bounds are exact for prefill rows and
+    only over-estimate decode rows, which have state either way.
+    """
+    for field in (*_SEQ_LEN_FIELDS, _COMPUTED_FIELD):
+        lengths = getattr(common, field, None)
+        if lengths is not None:
+            return lengths, field
+    return None, None
+
+
+def num_computed_tokens(common, query_lens: np.ndarray, lengths: tuple[torch.Tensor | None, str | None]) -> np.ndarray:
     """Tokens computed before this step, per row, on the host, without a device sync where possible.
 
-    ``query_lens``: ``[num_reqs]`` numpy integers (from ``query_start_loc_cpu``).
+    ``query_lens``: ``[num_reqs]`` numpy integers (from ``query_start_loc_cpu``);
+    ``lengths``: ``host_lengths(common)``.
     """
     num_reqs = query_lens.size
-    for field in ("seq_lens_cpu_upper_bound", "seq_lens_cpu"):
-        # Upper bounds are exact for prefill rows and only over-estimate
-        # decode rows, which have state either way.
-        seq_lens = getattr(common, field, None)
-        if seq_lens is not None:
-            return seq_lens.numpy()[:num_reqs] - query_lens
-    computed = getattr(common, "num_computed_tokens_cpu", None)
-    if computed is not None:
-        return computed.numpy()[:num_reqs]
-    return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
+    tensor, field = lengths
+    if tensor is None:
+        return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
+    if field == _COMPUTED_FIELD:
+        return tensor.numpy()[:num_reqs]
+    return tensor.numpy()[:num_reqs] - query_lens
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(eq=False, slots=True)
 class DecodeRows:
     """A step's decode rows as vLLM's own device tensors say them (``zero_rows.zero_new_rows_all``).
 

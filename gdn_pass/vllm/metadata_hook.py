@@ -44,17 +44,41 @@ from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import StepHandoff, attach
 from gdn_pass.vllm.zero_rows import CacheTable
 
-__all__ = ["install", "is_installed"]
+__all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
 
 from gdn_pass._logging import logger
 
 _MARK = "__gdn_pass_wrapped__"
-_BUILDER_CONTEXT = "_gdn_pass_context"
-_BUILDER_ROWS = "_gdn_pass_rows"
-_BUILDER_GROUP_STATE = "_gdn_pass_group_state"
-_BUILDER_OWNER = "_gdn_pass_owner"
-_BUILDER_KEEPS_DECODES = "_gdn_pass_keeps_decodes"
+# The one attribute gdn-pass sets on a builder it acts for.
+_BUILDER_GUARD = "_gdn_pass_guard"
 _warned: set[str] = set()
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class BuilderGuard:
+    """What the hook keeps for one builder it acts for (one KV-cache group of state layers).
+
+    ``entry`` / ``context``: its registry entry and what vLLM gave its
+    ``__init__``; ``keeps_decodes``: one-token steps stay on the decode path
+    (``StateBuilder.keeps_fresh_rows_on_decode``); ``rows``: its persistent
+    ``StagedRowMetadata`` (made at the first build); ``owner``: the guard that
+    zeroes its group (decided at the first build, then fixed); ``group``:
+    the first layer's ``kv_cache`` object, the group's state tensors and
+    (CUDA) their ``CacheTable`` (``_group_state``).
+    """
+
+    entry: builders.StateBuilder
+    context: compat.BuilderContext
+    keeps_decodes: bool = False
+    rows: StagedRowMetadata | None = None
+    owner: step_guard.Owner | None = None
+    group: tuple | None = None
+
+
+def guard_of(builder) -> BuilderGuard | None:
+    """The hook's state for ``builder``; None where it does not act for it (not configured,
+    stood down, or not a registered builder)."""
+    return builder.__dict__.get(_BUILDER_GUARD)
 
 
 def is_installed() -> bool:
@@ -102,13 +126,14 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
 
     @functools.wraps(original_build)
     def build(self, *args, **kwargs):
-        if self.__dict__.get(_BUILDER_KEEPS_DECODES) and builders.entry_of(type(self)) is entry:
+        guard = self.__dict__.get(_BUILDER_GUARD)
+        if guard is None or guard.entry is not entry:
+            # not configured, stood down, or a subclass's own hook acts
+            return original_build(self, *args, **kwargs)
+        if guard.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
         metadata = original_build(self, *args, **kwargs)
-        context = self.__dict__.get(_BUILDER_CONTEXT)
-        if context is None or builders.entry_of(type(self)) is not entry:
-            return metadata  # not configured, stood down, or a subclass's own hook acts
-        return _guard_step(self, entry, context, original_build, args, kwargs, metadata)
+        return _guard_step(self, guard, original_build, args, kwargs, metadata)
 
     setattr(build, _MARK, True)
     cls.__init__ = __init__
@@ -129,17 +154,19 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
     return (*args[:at], common, *args[at + 1:]), kwargs
 
 
-def _guard_step(builder, entry: builders.StateBuilder, context: compat.BuilderContext, original_build,
-                args: tuple, kwargs: dict, metadata):
+def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwargs: dict, metadata):
     """Stage the step's rows to zero, and zero them here where the step guard owns the group."""
     common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
-    rows = builder.__dict__.get(_BUILDER_ROWS)
+    rows = guard.rows
     if rows is None:
-        rows = builder.__dict__[_BUILDER_ROWS] = _new_rows(builder, context, entry)
-    step = entry.rows(common, metadata, draft_counts)
+        rows = guard.rows = _new_rows(builder, guard.context, guard.entry)
+    step = guard.entry.rows(common, metadata, draft_counts)
     fresh = step.fresh
-    step_owned = _owner(builder, context, entry) is step_guard.Owner.STEP
-    caches, table = _group_state(builder, context)
+    owner = guard.owner
+    if owner is None:
+        owner = guard.owner = _decide_owner(guard)
+    step_owned = owner is _STEP
+    caches, table = _group_state(guard)
     decode = None
     if table is not None and not step_owned:
         decode = compat.decode_rows(common, metadata)
@@ -150,7 +177,7 @@ def _guard_step(builder, entry: builders.StateBuilder, context: compat.BuilderCo
             step.stage_fresh(rows)
         else:  # most steps: nothing to zero
             rows.stage_no_fresh(step.num_rows)
-    handoff = StepHandoff(rows, host_fresh=fresh, table=table, decode=decode, zeroed_at_build=step_owned)
+    handoff = StepHandoff(rows, fresh, table, decode, step_owned)
     if step_owned:
         step_guard.zero_group(caches, handoff)
     return attach(metadata, handoff)
@@ -188,7 +215,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         return
     context = compat.builder_context(init, builder, args, kwargs)
     compat.check_supported(context, build, entry)
-    builder.__dict__[_BUILDER_CONTEXT] = context
+    guard = builder.__dict__[_BUILDER_GUARD] = BuilderGuard(entry, context)
     if getattr(builder, "supports_update_block_table", False):
         # vLLM would build this metadata for the first group of a step only and derive the
         # other groups' by update_block_table (dataclasses.replace): no hook would run for
@@ -199,7 +226,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
                    f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
                    "update_block_table shortcut would bypass the guard)")
     if entry.keeps_fresh_rows_on_decode():
-        builder.__dict__[_BUILDER_KEEPS_DECODES] = True
+        guard.keeps_decodes = True
         _info_once(f"keeps-decodes:{entry.key}",
                    f"gdn-pass: vLLM {compat.vllm_version()} reroutes fresh rows of {entry.class_name}, but "
                    "this engine's V1 runner can replay a FULL decode graph on buffers the builder did not "
@@ -207,40 +234,44 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
                    "their fresh rows")
 
 
-def _owner(builder, context: compat.BuilderContext, entry: builders.StateBuilder) -> step_guard.Owner:
+_STEP = step_guard.Owner.STEP
+
+
+def _decide_owner(guard: BuilderGuard) -> step_guard.Owner:
     """Which guard zeroes this group's fresh slots: decided at the first build, then fixed."""
-    owner = builder.__dict__.get(_BUILDER_OWNER)
-    if owner is None:
-        owner = builder.__dict__[_BUILDER_OWNER] = step_guard.decide_owner(
-            context.layer_names,
-            compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config))
-        uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
-        logger.info(
-            "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
-            "by the op guard (the guarded ops in the compiled graph)" if owner is step_guard.Owner.OP
-            else "by the step guard at metadata build (one zeroing launch per step with fresh rows)",
-            f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
-            if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards else "")
+    context, entry = guard.context, guard.entry
+    owner = step_guard.decide_owner(
+        context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config))
+    uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
+    logger.info(
+        "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
+        "by the op guard (the guarded ops in the compiled graph)" if owner is step_guard.Owner.OP
+        else "by the step guard at metadata build (one zeroing launch per step with fresh rows)",
+        f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
+        if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards else "")
     return owner
 
 
-def _group_state(builder, context: compat.BuilderContext) -> tuple[list[torch.Tensor], CacheTable | None]:
+def _group_state(guard: BuilderGuard) -> tuple[list[torch.Tensor], CacheTable | None]:
     """Every state tensor (conv, recurrent, ...) of the group's layers, and (CUDA) their one-launch table.
 
-    Kept per builder while every layer keeps the same ``kv_cache`` object:
-    vLLM binds a new one when it allocates the caches (profiling runs have
-    empty ones) and never swaps tensors inside it. The table is built here,
-    outside CUDA-graph capture.
+    Kept per builder while the group's first layer keeps the same ``kv_cache``
+    object: vLLM binds every layer's caches in one pass when it allocates them
+    (profiling runs have empty ones) and never swaps tensors inside them, so
+    one identity check per build covers the group (12 layers in Qwen3-Next-80B's
+    groups). The table is built here, outside CUDA-graph capture.
     """
+    context = guard.context
     forward_context = context.vllm_config.compilation_config.static_forward_context
-    bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
-    kept = builder.__dict__.get(_BUILDER_GROUP_STATE)
-    if kept is not None and len(kept[0]) == len(bound) and all(a is b for a, b in zip(kept[0], bound)):
+    first = getattr(forward_context.get(context.layer_names[0]), "kv_cache", None)
+    kept = guard.group
+    if kept is not None and kept[0] is first:
         return kept[1], kept[2]
+    bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
     caches = [t for kv_cache in bound for t in (kv_cache or ())
               if isinstance(t, torch.Tensor) and t.numel()]
     table = CacheTable.build(caches) if caches and context.device.type == "cuda" else None
-    builder.__dict__[_BUILDER_GROUP_STATE] = (bound, caches, table)
+    guard.group = (first, caches, table)
     return caches, table
 
 

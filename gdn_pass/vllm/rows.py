@@ -11,6 +11,11 @@ read as if it had history::
 ``gdn_rows`` reads ``GDNAttentionMetadata`` (0.26-0.33), ``linear_rows``
 ``LinearAttentionMetadata`` / ``BailingLinearAttentionMetadata`` (0.26-0.33).
 The registry (``builders``) says which builder uses which.
+
+What depends on the scheduler alone (``SchedulerRows``: lengths, counts, the
+new rows) is computed once per step (``scheduler_rows``) and shared by the
+step's builders, one per KV-cache group (three for Qwen3-Next-80B's 36 GDN
+layers); each builder adds only its own split and slots.
 """
 
 from __future__ import annotations
@@ -23,33 +28,49 @@ import torch
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat
 
-__all__ = ["HostRows", "gdn_rows", "linear_rows"]
+__all__ = ["HostRows", "SchedulerRows", "gdn_rows", "linear_rows", "scheduler_rows"]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False, slots=True)
 class HostRows:
-    """One step's rows in staged order, as the host knows them (no device read).
+    """One step's rows in staged order for one builder, as the host knows them (no device read).
 
     ``query_lens`` / ``computed``: ``[n]`` numpy integers; ``slot_parts``: the
     builder's device slot tensors, concatenated in the same order;
-    ``zero_start_rows``: the builder's prefill run; ``to_zero``: ``[n]`` bool,
-    the rows whose slots the guards must zero (fresh, and on a path whose
-    kernels read the slot); ``fresh``: their count.
+    ``zero_start_rows``: the builder's prefill run, whose kernels start a row
+    without history from zero themselves; ``new``: ``[n]`` bool, the rows with
+    no token computed before this step (read only: it may be the step's shared
+    ``SchedulerRows.new``); ``fresh``: how many rows the guards must zero, the
+    new rows outside ``zero_start_rows`` (``to_zero``).
     """
 
     query_lens: np.ndarray
     computed: np.ndarray
     slot_parts: list[torch.Tensor]
     zero_start_rows: tuple[int, int]
-    to_zero: np.ndarray
+    new: np.ndarray
+    fresh: int
+
+    @classmethod
+    def counted(cls, query_lens, computed, slot_parts, zero_start_rows, new) -> HostRows:
+        rows = cls(query_lens, computed, slot_parts, zero_start_rows, new, 0)
+        rows.fresh = int(np.count_nonzero(rows.to_zero))
+        return rows
 
     @property
     def num_rows(self) -> int:
         return len(self.query_lens)
 
     @property
-    def fresh(self) -> int:
-        return int(np.count_nonzero(self.to_zero))
+    def to_zero(self) -> np.ndarray:
+        """``[n]`` bool: the rows whose slots the guards must zero (new, and on a path whose kernels read
+        the slot)."""
+        start, stop = self.zero_start_rows
+        if start >= stop:
+            return self.new
+        to_zero = self.new.copy()
+        to_zero[start:stop] = False
+        return to_zero
 
     def _slots(self) -> torch.Tensor:
         parts = self.slot_parts
@@ -67,13 +88,69 @@ class HostRows:
         rows.stage_fresh(fresh_rows=self.to_zero, state_slots=self._slots())
 
 
-def _query_lens_and_computed(common) -> tuple[np.ndarray, np.ndarray]:
+@dataclasses.dataclass(eq=False, slots=True)
+class SchedulerRows:
+    """One step's rows as the scheduler knows them, shared by every builder of the step.
+
+    ``query_lens`` / ``computed``: ``[num_reqs]`` numpy integers; ``new``:
+    ``[num_reqs]`` bool, a row with tokens and none computed before this step;
+    ``new_before``: ``[num_reqs + 1]``, how many of the first ``i`` rows are new.
+    ``key``: what the step is recognized by (``scheduler_rows``).
+    """
+
+    query_lens: np.ndarray
+    computed: np.ndarray
+    new: np.ndarray
+    new_before: np.ndarray
+    key: tuple
+
+    def new_among_first(self, rows: int) -> int:
+        return int(self.new_before[min(rows, self.new.size)])
+
+
+# The last step's SchedulerRows. Its key holds the step's host tensors themselves (a strong
+# reference: no later tensor can take their id) and their version counters.
+_last_step: list[SchedulerRows | None] = [None]
+
+
+def scheduler_rows(common) -> SchedulerRows:
+    """``common``'s ``SchedulerRows``, computed once per step whatever the number of builders.
+
+    vLLM's runners (V1 and V2, 0.26-0.33) make one ``CommonAttentionMetadata``
+    per step and hand each KV-cache group a shallow copy of it (or the same
+    host tensors): a new ``query_start_loc_cpu`` tensor object every step (a
+    view of a persistent buffer, or ``torch.from_numpy``), the same object for
+    every group of the step. So a step is recognized by the identity of its
+    ``query_start_loc_cpu`` and of the sequence-length tensor the rows are
+    read from, held here so that no later tensor can reuse their ids, and by
+    their version counters, which any in-place write bumps (a caller that
+    refills the same tensors for a new step gets fresh rows too).
+    """
+    starts_cpu = common.query_start_loc_cpu
+    last = _last_step[0]
+    if last is not None:
+        # key: (query_start_loc_cpu, its version, lengths tensor, its field, its version, num_reqs)
+        key = last.key
+        if key[0] is starts_cpu and key[1] == starts_cpu._version and key[5] == common.num_reqs:
+            lengths = getattr(common, key[3], None)
+            if lengths is key[2] and key[4] == lengths._version:
+                return last
+    lengths = compat.host_lengths(common)
     num_reqs = common.num_reqs
     # numpy on views of vLLM's host tensors: a torch op on a few dozen CPU
     # elements costs several microseconds of dispatch, numpy's about one.
-    starts = common.query_start_loc_cpu.numpy()
+    starts = starts_cpu.numpy()
     query_lens = starts[1 : num_reqs + 1] - starts[:num_reqs]
-    return query_lens, compat.num_computed_tokens(common, query_lens)
+    computed = compat.num_computed_tokens(common, query_lens, lengths)
+    new = (computed == 0) & (query_lens > 0)
+    new_before = np.zeros(num_reqs + 1, dtype=np.int64)
+    np.cumsum(new, out=new_before[1:])
+    rows = SchedulerRows(query_lens, computed, new, new_before, ())
+    tensor, field = lengths
+    if tensor is not None:  # else the counts came from device tensors: not kept
+        rows.key = (starts_cpu, starts_cpu._version, tensor, field, tensor._version, num_reqs)
+        _last_step[0] = rows
+    return rows
 
 
 def gdn_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
@@ -83,18 +160,18 @@ def gdn_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> Host
     one accepted token). Only decodes and speculative rows can be fresh: the
     prefill kernels start a row without initial state from zero themselves."""
     num_reqs = common.num_reqs
-    query_lens, computed = _query_lens_and_computed(common)
+    step = scheduler_rows(common)
+    query_lens, computed = step.query_lens, step.computed
     non_spec_slots = metadata.non_spec_state_indices_tensor
-    spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
     num_decodes = int(metadata.num_decodes)
     if metadata.spec_sequence_masks is None and non_spec_slots is not None:
         # Most steps: one part, the builder's decodes (the only rows to zero) first.
-        if query_lens.size != non_spec_slots.numel():
+        if num_reqs != non_spec_slots.shape[0]:
             raise _slot_count_error("GDN", non_spec_slots.numel(), query_lens.size)
         decodes = min(num_decodes, num_reqs)
-        to_zero = (computed == 0) & (query_lens > 0)
-        to_zero[decodes:] = False
-        return HostRows(query_lens, computed, [non_spec_slots], (decodes, num_reqs), to_zero)
+        return HostRows(query_lens, computed, [non_spec_slots], (decodes, num_reqs), step.new,
+                        step.new_among_first(decodes))
+    spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
     if metadata.spec_sequence_masks is None:
         parts = [(query_lens, computed, non_spec_slots)]
     else:
@@ -119,14 +196,12 @@ def gdn_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> Host
         slots.append(part_slots)
     if not slots:
         empty = np.zeros(0, dtype=np.int64)
-        return HostRows(empty, empty, [], (0, 0), np.zeros(0, dtype=np.bool_))
+        return HostRows(empty, empty, [], (0, 0), np.zeros(0, dtype=np.bool_), 0)
     non_spec_rows = lens[0].size if non_spec_slots is not None else 0
     prefills = (min(num_decodes, non_spec_rows), non_spec_rows)
     query_lens = lens[0] if len(lens) == 1 else np.concatenate(lens)
     computed = done[0] if len(done) == 1 else np.concatenate(done)
-    to_zero = (computed == 0) & (query_lens > 0)
-    to_zero[prefills[0]:prefills[1]] = False
-    return HostRows(query_lens, computed, slots, prefills, to_zero)
+    return HostRows.counted(query_lens, computed, slots, prefills, (computed == 0) & (query_lens > 0))
 
 
 def linear_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
@@ -142,23 +217,23 @@ def linear_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> H
     are its own blocks, and the kernels overwrite the ones they do not read.
     Rows appear once per column (``[rows * (1 + k)]``), in row order.
     """
-    query_lens, computed = _query_lens_and_computed(common)
+    step = scheduler_rows(common)
+    query_lens, computed = step.query_lens, step.computed
     decodes = min(int(metadata.num_decodes), query_lens.size)
-    to_zero = (computed[:decodes] == 0) & (query_lens[:decodes] > 0)
+    to_zero = step.new[:decodes]
     slots = getattr(metadata, "state_indices_tensor_d", None)
     if slots is None:  # LinearAttentionMetadata: one slot per row, decodes first
         slots = metadata.state_indices_tensor
     if slots.shape[0] < decodes:
         raise _slot_count_error("linear-attention", slots.shape[0], decodes)
     slots = slots[:decodes]
+    fresh = step.new_among_first(decodes)
     if slots.dim() == 2:
         width = slots.shape[1]
         to_zero = np.repeat(to_zero, width)
         query_lens, computed = np.repeat(query_lens[:decodes], width), np.repeat(computed[:decodes], width)
-        slots = slots.reshape(-1)
-    else:
-        query_lens, computed = query_lens[:decodes], computed[:decodes]
-    return HostRows(query_lens, computed, [slots], (0, 0), to_zero)
+        return HostRows(query_lens, computed, [slots.reshape(-1)], (0, 0), to_zero, fresh * width)
+    return HostRows(query_lens[:decodes], computed[:decodes], [slots], (0, 0), to_zero, fresh)
 
 
 def _slot_count_error(kind: str, slots: int, rows: int) -> MetadataError:

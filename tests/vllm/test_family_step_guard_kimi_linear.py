@@ -78,7 +78,7 @@ def test_step_guard_zeroes_kimi_state_at_metadata_build(monkeypatch):
     """Mode NONE, as Kimi-Linear's architecture forces: the step guard owns the group."""
     from test_step_guard import engine
 
-    from gdn_pass.vllm import step_guard
+    from gdn_pass.vllm import metadata_hook, step_guard
 
     monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     names = [f"model.layers.{i}.self_attn" for i in range(3)]
@@ -90,7 +90,7 @@ def test_step_guard_zeroes_kimi_state_at_metadata_build(monkeypatch):
         block_table_tensor=torch.tensor([[3], [5], [0]], dtype=torch.int32))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
     assert metadata.num_prefills == 0 and metadata.has_initial_state is None, "vLLM calls it a decode"
-    assert builder.__dict__["_gdn_pass_owner"] is step_guard.Owner.STEP
+    assert metadata_hook.guard_of(builder).owner is step_guard.Owner.STEP
 
     others = [s for s in range(NUM_SLOTS) if s != 5]
     for name, layer in layers.items():

@@ -1,5 +1,6 @@
 """Rows derived from vLLM's CommonAttentionMetadata, not from the builder's split."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -340,3 +341,52 @@ def test_rebound_caches_are_the_ones_zeroed(monkeypatch):
     builder.build(0, bug_step())
     assert zeroed(new) == [[4]] * 4
     assert zeroed(old) == [[]] * 4
+
+
+# --- one step, several groups: the scheduler's rows are computed once ---------------
+
+
+def test_the_groups_of_one_step_share_its_scheduler_rows():
+    """vLLM hands each KV-cache group a shallow copy of the step's metadata: the rows that depend
+    on the scheduler alone are computed for the first and reused by the others."""
+    import copy
+
+    from gdn_pass.vllm.rows import scheduler_rows
+
+    base = common_metadata([9, 0, 30], [1, 1, 1])
+    first = scheduler_rows(copy.copy(base))
+    assert scheduler_rows(copy.copy(base)) is first
+    assert first.new.tolist() == [False, True, False] and first.new_among_first(3) == 1
+    # The runner's next step: new views of the same persistent host buffers.
+    qsl, lens = base.query_start_loc_cpu, base.seq_lens_cpu_upper_bound
+    later = dataclasses.replace(base, query_start_loc_cpu=qsl[:], seq_lens_cpu_upper_bound=lens[:])
+    assert scheduler_rows(later) is not first
+
+
+@pytest.mark.parametrize("refilled", ["query_start_loc_cpu", "seq_lens_cpu_upper_bound"])
+def test_host_tensors_refilled_in_place_are_a_new_step(monkeypatch, refilled):
+    """A caller may refill the same host tensors for its next step: the rows follow the new values
+    (the tensors' version counters), so a request that is new in the later step is zeroed."""
+    from gdn_pass.vllm import step_guard
+
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())  # the step guard zeroes, visibly
+    config = vllm_config(configured=True)
+    caches = bind_poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    blocks = torch.tensor([[3], [4], [5]], dtype=torch.int32)
+    if refilled == "query_start_loc_cpu":
+        # step 1: row 1 has no token this step (1 computed); step 2: its one token, none computed
+        step = dataclasses.replace(common_metadata([9, 1, 30], [1, 0, 1]), block_table_tensor=blocks)
+    else:  # step 1: row 1 has 1 token computed; step 2: none
+        step = dataclasses.replace(common_metadata([9, 1, 30], [1, 1, 1]), block_table_tensor=blocks)
+    builder.build(0, step)
+    assert zeroed(caches) == [[]] * 4
+    if refilled == "query_start_loc_cpu":
+        step.query_start_loc_cpu[:] = torch.tensor([0, 1, 2, 3])
+    else:
+        step.seq_lens_cpu_upper_bound[1] = 1
+    step = dataclasses.replace(step, query_start_loc=step.query_start_loc_cpu.clone(), num_actual_tokens=3,
+                               seq_lens=step.seq_lens_cpu_upper_bound.clone())
+    metadata = builder.build(0, step)
+    assert handoff_of(metadata).host_fresh == 1
+    assert zeroed(caches) == [[4]] * 4

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import vllm.forward_context
-from gdn_pass.vllm import op_guard, step_guard
+from gdn_pass.vllm import metadata_hook, op_guard, step_guard
 from gdn_pass.vllm.handoff import handoff_of
 from gdn_pass.vllm.step_guard import Owner
 
@@ -107,7 +107,7 @@ def caches_of(layers):
 def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, guarded, zero_calls):
     builder, layers = engine(monkeypatch, compiled=False)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
+    assert metadata_hook.guard_of(builder).owner is Owner.STEP
     assert handoff_of(metadata).zeroed_at_build
     assert_only_fresh_slot_zeroed(layers)  # before any layer runs
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers)
@@ -119,7 +119,7 @@ def test_compiled_engine_with_every_layer_behind_a_guarded_op_leaves_it_to_the_o
     builder, layers = engine(monkeypatch, compiled=True)
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert builder.__dict__["_gdn_pass_owner"] is Owner.OP
+    assert metadata_hook.guard_of(builder).owner is Owner.OP
     assert not zero_calls, "the step guard acted although the op guard owns the group"
     assert layers[LAYERS[0]].kv_cache[1][FRESH_SLOT].eq(6.0).all()
     forward(monkeypatch, layers, metadata, covered=LAYERS)
@@ -134,7 +134,7 @@ def test_compiled_engine_with_a_layer_no_guarded_op_reaches_is_guarded_at_build(
     builder, layers = engine(monkeypatch, compiled=True)
     warm_up(monkeypatch, layers, covered=LAYERS[:2])
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
+    assert metadata_hook.guard_of(builder).owner is Owner.STEP
     forward(monkeypatch, layers, metadata, covered=LAYERS[:2])  # the op guards find it done
     assert_only_fresh_slot_zeroed(layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a slot zeroed twice or never"
@@ -159,7 +159,7 @@ def test_owner_is_fixed_at_the_first_build(monkeypatch, guarded, zero_calls):
     builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # no guarded op has run yet
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert builder.__dict__["_gdn_pass_owner"] is Owner.STEP
+    assert metadata_hook.guard_of(builder).owner is Owner.STEP
     assert handoff_of(metadata).zeroed_at_build
 
 
