@@ -128,26 +128,31 @@ def write_model(dims: str, layers: int, out: Path) -> Path:
 class HookClock:
     """Host time inside gdn-pass's metadata hook, by wrapping what its build wrapper calls.
 
-    ``seconds`` sums the functions the build wrapper calls (``decode_rows`` on
-    CUDA steps without speculative rows, which stage nothing; otherwise
-    ``stage_fresh`` on steps with a row to zero, ``stage_no_fresh`` on the others); a label
-    ``a/b`` times a part of ``a`` (the flags copy inside ``stage_fresh``).
+    ``seconds`` sums ``metadata_hook._guard_step``, all the hook does after
+    vLLM's own build (the split kept on the decode path of 0.31+'s builder,
+    ``_one_token_step_as_decodes``, too, where it runs). ``by_function`` times
+    its parts: the step's scheduler rows (once per step), the builder's
+    caches, vLLM's decode tensors, staging and the step guard's zeroing; each
+    part's wrapper adds its own call to the total, so parts are timed only
+    with ``detail`` (for a look by hand; the engines run without).
     """
 
-    def __init__(self):
+    def __init__(self, detail: bool = False):
         from gdn_pass.metadata import StagedRowMetadata
         from gdn_pass.vllm import compat, metadata_hook, rows, step_guard
 
         self.seconds = 0.0
         self.by_function: dict[str, float] = {}
-        for owner, name, label in ((rows.HostRows, "stage_fresh", "stage_fresh"),
-                                   (StagedRowMetadata, "stage_no_fresh", "stage_no_fresh"),
-                                   (StagedRowMetadata, "_copy_fresh_flags", "stage_fresh/flags"),
-                                   (metadata_hook, "_owner", "_owner"),
-                                   (metadata_hook, "_group_state", "_group_state"),
-                                   (step_guard, "zero_group", "zero_group"),
-                                   (compat, "step_inputs", "step_inputs"),
-                                   (compat, "decode_rows", "decode_rows")):
+        timed = [(metadata_hook, "_guard_step", "total"), (metadata_hook, "_one_token_step_as_decodes", "total")]
+        if detail:
+            timed += [(rows, "scheduler_rows", "scheduler_rows"),
+                      (rows.HostRows, "stage_fresh", "stage_fresh"),
+                      (StagedRowMetadata, "stage_no_fresh", "stage_no_fresh"),
+                      (metadata_hook, "_group_state", "_group_state"),
+                      (step_guard, "zero_group", "zero_group"),
+                      (compat, "step_inputs", "step_inputs"),
+                      (compat, "decode_rows", "decode_rows")]
+        for owner, name, label in timed:
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
     def _timed(self, fn, name: str):
@@ -158,9 +163,10 @@ class HookClock:
                 return fn(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - start
-                if "/" not in name:  # "a/b" is part of "a", already counted there
+                if name == "total":
                     self.seconds += spent
-                self.by_function[name] = self.by_function.get(name, 0.0) + spent
+                else:
+                    self.by_function[name] = self.by_function.get(name, 0.0) + spent
 
         return timed
 

@@ -346,12 +346,13 @@ def _harness_zeroing() -> None:
                  if c == 0 and q > 0 and path == "decode"]
         if not fresh:
             return
-        names = getattr(builder, "layer_names", None)
-        if not names:
-            raise NotImplementedError("harness_zeroing: this vLLM's builder has no layer_names")
+        made = builder.__dict__.get("_harness_built_with")
+        if made is None:
+            raise NotImplementedError("harness_zeroing: a builder made before the mutation was applied")
         index = torch.stack(fresh).to(torch.long)
         index = index[index >= 0]
-        context = builder.vllm_config.compilation_config.static_forward_context
+        names = made.layer_names
+        context = made.vllm_config.compilation_config.static_forward_context
         for name in names:
             stack = [getattr(context[name], "kv_cache", None)]
             while stack:
@@ -364,6 +365,14 @@ def _harness_zeroing() -> None:
     for _entry, builder_class in builders.installed():
         if "build" not in vars(builder_class):
             continue
+        original_init = builder_class.__init__
+
+        def init(builder, *args, _original=original_init, **kwargs):
+            _original(builder, *args, **kwargs)
+            # vLLM 0.26-0.29's GDN builder keeps no layer_names: take them from the call
+            builder.__dict__["_harness_built_with"] = compat.builder_context(_original, builder, args, kwargs)
+
+        builder_class.__init__ = functools.wraps(original_init)(init)
         original = builder_class.build
 
         def build(builder, *args, _original=original, **kwargs):
