@@ -568,7 +568,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         # gives it); else against pass off, every request the guard did not act on.
         baseline = HARNESS_FIX if HARNESS_FIX in guards else "off"
         base_run = ran[f"stream_{config}_s{seed}_{baseline}"]["results"]
-        acted_on = set() if baseline == HARNESS_FIX else set(fresh_reads(ran[f"stream_{config}_s{seed}_{pass_on}"]))
+        acted = set(fresh_reads(ran[f"stream_{config}_s{seed}_{pass_on}"]))
+        summary["acted_on"] = sorted(acted, key=lambda rid: int(rid[1:]))
+        acted_on = set() if baseline == HARNESS_FIX else acted
         perturbed = perturbed_by_pass(base_run, on_run, acted_on)
         summary["footprint_baseline"] = baseline
         summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))

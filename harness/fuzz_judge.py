@@ -206,3 +206,46 @@ def largest_shift(off: dict[str, dict], on: dict[str, dict], acted_on: set[str])
                 break
             shift = max(shift, abs(la - lb))
     return shift
+
+
+def footprint_problem(summary: dict) -> str | None:
+    """Why the pass-on stream of a ``fuzz`` summary fails its footprint check, or None: it passes.
+
+    The pass-on stream must equal the footprint baseline bit for bit. The
+    baseline is the harness's own fix where it ran (every request: with the
+    fresh slots zeroed either way, every row computes the same, whatever the
+    host's numerics do with a batch), else pass off (the requests the guard did
+    not act on; on hosts whose numerics depend on the other rows of a batch, the
+    fixed rows' new tokens move them too). Where the pass moved a request, the
+    fuzz ran the baseline once more (``repeat_baseline_if_perturbed``): if that
+    run is bit-identical to the first, the move is the pass's doing and this
+    fails; if the host moved requests between two runs of one engine
+    configuration too, bit for bit is out of reach there, and the pass's moves
+    must stay within ``DRIFT_TOL`` (the caller should say so: ``host_noise``).
+    """
+    perturbed = summary["perturbed_by_pass"]
+    if not perturbed:
+        return None
+    repeat = summary.get("baseline_repeat")
+    detail = (f"pass on vs {summary['footprint_baseline']}: {len(perturbed)} request(s) moved, first "
+              f"positions {perturbed}, largest |logprob shift| {summary['largest_shift_by_pass']:.3g}")
+    if repeat is None:
+        return detail + "; the baseline was not run again, so the host's own noise cannot be told apart"
+    detail += (f"; that baseline twice: {len(repeat['perturbed'])} moved, largest "
+               f"{repeat['largest_shift']:.3g}")
+    if not repeat["perturbed"]:
+        return "the pass changed logprobs it must leave alone (" + detail + ")"
+    if summary["largest_shift_by_pass"] > DRIFT_TOL:
+        return f"beyond DRIFT_TOL={DRIFT_TOL} on a host that does not repeat itself: " + detail
+    return None
+
+
+def host_noise(summary: dict) -> str | None:
+    """Where the footprint passed only within ``DRIFT_TOL`` (the host does not reproduce a run bit for
+    bit), what to warn about; else None."""
+    if summary["perturbed_by_pass"] and summary.get("baseline_repeat", {}).get("perturbed"):
+        return (f"this host does not reproduce a run bit for bit; footprint judged against DRIFT_TOL: "
+                f"pass on vs {summary['footprint_baseline']} moved {len(summary['perturbed_by_pass'])}, "
+                f"largest {summary['largest_shift_by_pass']:.3g}; the baseline twice moved "
+                f"{len(summary['baseline_repeat']['perturbed'])}")
+    return None

@@ -12,7 +12,7 @@ import pytest
 
 from harness.fuzz import FuzzRequest
 from harness.fuzz_judge import (DRIFT_TOL, NEAR_TIE_TOL, classify, classify_resumed, first_token_mismatch,
-                                          largest_shift, perturbed_by_pass)
+                                footprint_problem, host_noise, largest_shift, perturbed_by_pass)
 
 
 def result(tokens, logprobs, tops=None, **extra):
@@ -119,3 +119,30 @@ def test_first_token_mismatch_is_the_stale_read_signature():
     assert not first_token_mismatch(REF, result([5, 6, 3, 1], [-1.0, -2.0, -0.9, -1.0]))
     assert not first_token_mismatch(REF, result([5, 4], [-1.0, -2.05]))
     assert not first_token_mismatch(dict(rejected="too long"), result([5], [-1.0]))
+
+
+def footprint(perturbed, shift, repeat=None):
+    summary = dict(perturbed_by_pass=perturbed, largest_shift_by_pass=shift, footprint_baseline="off+harness_zeroing")
+    if repeat is not None:
+        summary["baseline_repeat"] = dict(perturbed=repeat[0], largest_shift=repeat[1])
+    return summary
+
+
+def test_no_request_moved_is_no_footprint():
+    assert footprint_problem(footprint({}, 0.0)) is None and host_noise(footprint({}, 0.0)) is None
+
+
+def test_a_move_the_baseline_does_not_repeat_is_the_passs():
+    problem = footprint_problem(footprint({"q3": 0}, 0.01, repeat=({}, 0.0)))
+    assert problem and "must leave alone" in problem
+
+
+def test_a_move_without_a_second_baseline_run_is_not_excused():
+    assert "not run again" in footprint_problem(footprint({"q3": 0}, 0.01))
+
+
+@pytest.mark.parametrize("shift, ok", [(DRIFT_TOL / 2, True), (DRIFT_TOL * 2, False)])
+def test_on_a_host_that_does_not_repeat_itself_moves_are_judged_by_drift_tol(shift, ok):
+    summary = footprint({"q3": 0}, shift, repeat=({"q7": 2}, 0.02))
+    assert (footprint_problem(summary) is None) is ok
+    assert "does not reproduce" in host_noise(summary)
