@@ -134,7 +134,10 @@ class HookClock:
     its parts: the step's scheduler rows (once per step), the builder's
     caches, vLLM's decode tensors, staging and the step guard's zeroing; each
     part's wrapper adds its own call to the total, so parts are timed only
-    with ``detail`` (for a look by hand; the engines run without).
+    with ``detail`` (for a look by hand; the engines run without). ``calls``
+    keeps each call's time: their mean counts every stall of the engine's host
+    thread that falls inside the hook (another thread holding the GIL, the OS),
+    their median what a call typically costs.
     """
 
     def __init__(self, detail: bool = False):
@@ -142,6 +145,7 @@ class HookClock:
         from gdn_pass.vllm import compat, metadata_hook, rows, step_guard
 
         self.seconds = 0.0
+        self.calls: list[float] = []
         self.by_function: dict[str, float] = {}
         timed = [(metadata_hook, "_guard_step", "total"), (metadata_hook, "_one_token_step_as_decodes", "total")]
         if detail:
@@ -165,6 +169,7 @@ class HookClock:
                 spent = time.perf_counter() - start
                 if name == "total":
                     self.seconds += spent
+                    self.calls.append(spent)
                 else:
                     self.by_function[name] = self.by_function.get(name, 0.0) + spent
 
@@ -263,7 +268,7 @@ class Engine:
                     for _ in range(batch - fresh)]
         for _ in range(4):  # their prefills, then steady decoding
             self.engine.step()
-        start, hook0, parts0 = 0.0, 0.0, {}
+        start, hook0, parts0, calls0 = 0.0, 0.0, {}, 0
         for i in range(warmup + steps):
             if i == warmup:
                 if profiler is not None:
@@ -271,7 +276,7 @@ class Engine:
                     profiler.start()
                 start = time.perf_counter()
                 if self.clock:
-                    hook0, parts0 = self.clock.seconds, dict(self.clock.by_function)
+                    hook0, parts0, calls0 = self.clock.seconds, dict(self.clock.by_function), len(self.clock.calls)
             for _ in range(fresh):
                 self._add([rng.randrange(10, 1000)], 1)
             self.engine.step()
@@ -280,11 +285,14 @@ class Engine:
             _synchronize()
             profiler.stop()
         hook = ((self.clock.seconds - hook0) / steps) if self.clock else None
+        calls = self.clock.calls[calls0:] if self.clock else []
+        # the typical call's time, times the calls per step
+        hook_typical = statistics.median(calls) * len(calls) / steps if calls else None
         parts = ({k: (v - parts0.get(k, 0.0)) / steps for k, v in self.clock.by_function.items()}
                  if self.clock else None)
         self.engine.abort_request(decoders)
         self._drain()
-        return dict(step_s=per_step, hook_s=hook, hook_parts_s=parts)
+        return dict(step_s=per_step, hook_s=hook, hook_typical_s=hook_typical, hook_parts_s=parts)
 
     def profile(self, batch: int, fresh: int, steps: int, warmup: int, top: int = 12) -> dict:
         """``steps`` under torch.profiler: GPU kernel time per step, its largest kernels, the wall time.
@@ -426,6 +434,8 @@ def run(args, save=lambda result: None) -> dict:
     times: dict[str, dict[str, list]] = {k: {v: [] for v in variants} for k in keys}
     hooks: dict[str, list] = {k: [] for k in keys}
     hook_parts: dict[str, list] = {k: [] for k in keys}
+    hook_typical: dict[str, list] = {k: [] for k in keys}
+    hook_mean: dict[str, list] = {k: [] for k in keys}
     streams: dict[str, list] = {v: [] for v in variants}
     profiles: dict[str, dict] = {}
     import vllm
@@ -436,7 +446,7 @@ def run(args, save=lambda result: None) -> dict:
                     weight_std=_weight_std(args) or None,
                     engine_start_s=round(start_s, 1), rounds=rounds_done, steps=args.steps,
                     fresh_row_check=checks, check_valid=check_valid,
-                    rows=_rows(times, hooks, hook_parts) if rounds_done else [],
+                    rows=_rows(times, hooks, hook_parts, hook_typical, hook_mean) if rounds_done else [],
                     stream=_stream_result(streams), profiles=profiles)
 
     def out_of_time() -> bool:
@@ -478,6 +488,8 @@ def run(args, save=lambda result: None) -> dict:
                 times[key][v].append(reply["step_s"])
                 if reply["hook_s"] is not None:
                     hooks[key].append(reply["hook_s"] / reply["step_s"])
+                    hook_typical[key].append(reply["hook_typical_s"])
+                    hook_mean[key].append(reply["hook_s"])
                     hook_parts[key].append(reply["hook_parts_s"])
         rounds_done = r + 1
         print(f"round {rounds_done}/{args.rounds} done at {time.time() - started:.0f} s", file=sys.stderr, flush=True)
@@ -502,7 +514,7 @@ def _weight_std(args) -> float:
     return 0.0 if args.dims.endswith("tiny") else 0.02
 
 
-def _rows(times: dict, hooks: dict, hook_parts: dict) -> list[dict]:
+def _rows(times: dict, hooks: dict, hook_parts: dict, hook_typical: dict, hook_mean: dict) -> list[dict]:
     median = statistics.median
     rows = []
     for key, by_variant in times.items():
@@ -510,6 +522,9 @@ def _rows(times: dict, hooks: dict, hook_parts: dict) -> list[dict]:
         rows.append(dict(case=key, unguarded_ms=round(base * 1e3, 3),
                          **{f"{v}_ratio": round(median(ts) / base, 4) for v, ts in by_variant.items() if v != "unguarded"},
                          hook_share=round(median(hooks[key]), 4) if hooks[key] else None,
+                         hook_mean_us=round(median(hook_mean[key]) * 1e6, 1) if hook_mean[key] else None,
+                         hook_typical_us=(round(median(hook_typical[key]) * 1e6, 1)
+                                          if hook_typical[key] and None not in hook_typical[key] else None),
                          # where the hook's host time goes, microseconds per step (median over rounds)
                          hook_parts_us={k: round(median(p[k] for p in hook_parts[key]) * 1e6, 1)
                                         for k in (hook_parts[key][0] if hook_parts[key] else {})},
@@ -524,6 +539,13 @@ def _stream_result(streams: dict) -> dict | None:
     return dict(unguarded_tokens_per_s=round(base, 1),
                 **{f"{v}_ratio": round(statistics.median(ts) / base, 4) for v, ts in streams.items() if v != "unguarded"},
                 samples=streams)
+
+
+def _round_range(row: dict, variant: str) -> str:
+    """`` [lo-hi]``: the variant's per-round ratios to the unguarded engine (rounds paired by index)."""
+    samples = row.get("samples", {})
+    ratios = [t / u for t, u in zip(samples.get(variant, []), samples.get("unguarded", []))]
+    return f" [{min(ratios):.3f}-{max(ratios):.3f}]" if len(ratios) > 1 else ""
 
 
 def render(result: dict) -> str:
@@ -546,15 +568,25 @@ def render(result: dict) -> str:
                  "**The check is not valid in this run** (it must catch the unguarded engine reading "
                  "the slot, and find gdn-pass and the alternative fresh): the timings below are not "
                  "evidence for the fix's cost.", ""]),
-             *(["| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
-                "| gdn-pass hook host time / step | of it, us/step by function |",
+             *(["In brackets: the lowest and highest ratio of one round (each round's variants ran back to "
+                "back); a difference counts only where those ranges do not straddle it. Hook host time: the "
+                "mean per step of gdn-pass's hook calls (as a share of the step), which counts every stall "
+                "of the host thread inside a call, and the typical call's time (median) times the calls per step.",
+                "",
+                "| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
+                "| gdn-pass hook host time / step: mean (share) / typical | of it, us/step by function |",
                 "|---|---|---|---|---|---|"]
                if result["rows"] else [])]
     for r in result["rows"]:
-        share = "-" if r["hook_share"] is None else f"{r['hook_share']:.2%}"
+        share = "-"
+        if r["hook_share"] is not None:
+            mean = r.get("hook_mean_us")
+            share = (f"{mean} us " if mean is not None else "") + f"({r['hook_share']:.2%})"
+            if r.get("hook_typical_us") is not None:
+                share += f" / {r['hook_typical_us']} us"
         parts = ", ".join(f"{k} {v}" for k, v in sorted(r["hook_parts_us"].items(), key=lambda kv: -kv[1]))
-        lines.append(f"| {r['case']} | {r['unguarded_ms']} | x{r['gdn-pass_ratio']} "
-                     f"| x{r['alternative_ratio']} | {share} | {parts or '-'} |")
+        lines.append(f"| {r['case']} | {r['unguarded_ms']} | x{r['gdn-pass_ratio']}{_round_range(r, 'gdn-pass')} "
+                     f"| x{r['alternative_ratio']}{_round_range(r, 'alternative')} | {share} | {parts or '-'} |")
     if result["stream"]:
         s = result["stream"]
         lines += ["", f"Serving-like stream ({len(s['samples']['unguarded'])} round(s), after an unmeasured "

@@ -120,7 +120,7 @@ def main() -> int:
                     help="stream runs: off, on, and on+MUTATION (the pass on, broken on purpose: "
                          "harness/step_trace.py)")
     ap.add_argument("--trace-detail", action="store_true",
-                    help="keep every step's rows in the raw stream results (benchmarks/fuzz_locate.py)")
+                    help="keep every step's rows in the raw stream results")
     ap.add_argument("--workdir", default="artifacts/fuzz_long")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default="fuzz_scheduling", help="result file stem")

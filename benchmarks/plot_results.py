@@ -7,12 +7,9 @@ unguarded 0.30 engine, for the pass and for vLLM 0.31's upstream fix
 launch per step (step_guard_overhead.json).
 
 ``engine_cost.png``: inside a real vLLM 0.26 engine on the H200 (Qwen3-Next-80B
-layer dimensions, 12 layers). Left: wall time per step relative to the
-unguarded engine, per batch size and count of fresh rows, for gdn-pass and the
-one-line alternative, and the stream's tokens/s in the title
-(engine_cost_gpu_run4.json + engine_cost_gpu_stream_run4.json: the run on the
-larger host). Right: GPU kernel time per step under torch.profiler, the same
-ratio (engine_cost_gpu_run5.json, engine_cost_gpu_run6.json).
+layer dimensions, 12 layers): wall time per step relative to the unguarded
+engine, per batch size and count of fresh rows, for gdn-pass and the one-line
+alternative, with each round's range (engine_cost_gpu.json).
 
     pip install matplotlib; python benchmarks/plot_results.py [--results benchmarks/results]
 """
@@ -76,55 +73,38 @@ def main() -> None:
     print(plot_engine_cost(results, plt))
 
 
-_ENGINE_VARIANTS = (("gdn-pass", "gdn-pass"), ("alternative", "one-line alternative"),
-                    ("fused", "fused (gated decode kernels)"))
+_ENGINE_VARIANTS = (("gdn-pass", "gdn-pass"), ("alternative", "one-line alternative"))
 
 
 def plot_engine_cost(results: Path, plt) -> Path:
-    """Run 7's wall-time ratios per B and fresh rows, with its stream; profiled kernel ratios of runs 6 and 7."""
-    steps = json.loads((results / "engine_cost_gpu_run7.json").read_text())
-    stream = json.loads((results / "engine_cost_gpu_stream_run7.json").read_text())["stream"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw=dict(width_ratios=[2.2, 1]))
-    labels = [r["case"].replace(" fresh=", "\n") + " fresh" for r in steps["rows"]]
+    """engine_cost_gpu.json's wall-time ratios per B and fresh rows, with each round's range."""
+    steps = json.loads((results / "engine_cost_gpu.json").read_text())
+    fig, ax = plt.subplots(figsize=(10, 4.2))
+    rows = steps["rows"]
+    labels = [r["case"].replace(" fresh=", "\n") + " fresh" for r in rows]
     xs = range(len(labels))
-    width = 0.27
+    width = 0.38
     for i, (variant, label) in enumerate(_ENGINE_VARIANTS):
-        left.bar([x + (i - 1) * width for x in xs], [r[f"{variant}_ratio"] for r in steps["rows"]], width,
-                 label=label)
-    left.axhline(1.0, color="black", lw=0.8)
-    left.axhline(1.02, color="red", ls="--", lw=0.8, label="+2% (target with fresh rows)")
-    left.set_yscale("log")
-    left.set_yticks([0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4, 6], ["0.9", "1", "1.1", "1.25", "1.5", "2", "3", "4", "6"])
-    left.minorticks_off()
-    left.set_xticks(list(xs), labels, fontsize=7)
-    left.set_ylabel("wall time per step / unguarded")
-    left.set_title(f"vLLM 0.26, H200, 12 layers, three engines on one GPU (run 7, {steps['rounds']} rounds; "
-                   f"B <= 8 host-bound, +-4% noise)\nStream ({len(stream['samples']['unguarded'])} rounds): "
-                   f"unguarded {stream['unguarded_tokens_per_s']:.0f} tok/s, "
-                   + ", ".join(f"{v} x{stream[f'{v}_ratio']:.3f}" for v, _ in _ENGINE_VARIANTS), fontsize=7)
-    left.legend(fontsize=8)
-
-    cases = []
-    for run in ("engine_cost_gpu_run6.json", "engine_cost_gpu_run7.json"):
-        for case, by_variant in json.loads((results / run).read_text()).get("profiles", {}).items():
-            base = by_variant["unguarded"]["gpu_kernel_us"]
-            name = run.removeprefix("engine_cost_gpu_").removesuffix(".json")
-            cases.append((f"{case.replace(' fresh=', chr(10))} fresh\n({name})",
-                          [by_variant[v]["gpu_kernel_us"] / base if v in by_variant else float("nan")
-                           for v, _ in _ENGINE_VARIANTS]))
-    xs = range(len(cases))
-    for i, (_, label) in enumerate(_ENGINE_VARIANTS):
-        right.bar([x + (i - 1) * width for x in xs], [c[1][i] for c in cases], width, label=label)
-    right.axhline(1.0, color="black", lw=0.8)
-    right.set_ylim(0.9, 1.45)
-    right.set_xticks(list(xs), [c[0] for c in cases], fontsize=7)
-    right.set_ylabel("GPU kernel time per step / unguarded")
-    right.set_title("kernels only\n(torch.profiler, runs 6 and 7)", fontsize=8)
-    right.legend(fontsize=7)
+        ratios = [[t / u for t, u in zip(r["samples"][variant], r["samples"]["unguarded"])] for r in rows]
+        mid = [r[f"{variant}_ratio"] for r in rows]
+        ax.bar([x + (i - 0.5) * width for x in xs], mid, width, label=label,
+               yerr=[[m - min(rs) for m, rs in zip(mid, ratios)], [max(rs) - m for m, rs in zip(mid, ratios)]],
+               capsize=2, error_kw=dict(lw=0.7))
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.axhline(1.02, color="red", ls="--", lw=0.8, label="+2% (target with fresh rows)")
+    ax.set_yscale("log")
+    ax.set_yticks([0.7, 0.8, 0.9, 1, 1.1, 1.25, 1.5, 2, 3, 4, 6, 8],
+                  ["0.7", "0.8", "0.9", "1", "1.1", "1.25", "1.5", "2", "3", "4", "6", "8"])
+    ax.minorticks_off()
+    ax.set_xticks(list(xs), labels, fontsize=7)
+    ax.set_ylabel("wall time per step / unguarded")
+    ax.set_title(f"vLLM {steps['vllm']}, H200, {steps['layers']} layers at Qwen3-Next-80B dims, "
+                 f"two engines on one GPU ({steps['rounds']} rounds; bars: median, whiskers: each round's "
+                 "lowest and highest ratio)", fontsize=8)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     out = results / "engine_cost.png"
     fig.savefig(out, dpi=120)
-    plt.close(fig)
     return out
 
 
