@@ -212,7 +212,7 @@ class StagedRowMetadata:
         # Pageable memory: the copy returns once the bytes are staged, so the
         # array may go right away, and it does not wait for the stream. Pinned
         # blocks reused in turn, each waiting on an event, cost the host 10-15 us
-        # more per build on the H200 (benchmarks/results/hook_host_time_gpu_pinned.md).
+        # more per build on the H200 (an earlier hook_host_time run; git history).
         target.copy_(torch.from_numpy(flags), non_blocking=True)
 
     def _fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n) -> bool:
@@ -229,7 +229,7 @@ class StagedRowMetadata:
         pads = self.pad_slot_ids
         # From pageable memory: on the H200 a build enqueued behind 2 ms of GPU
         # work returns in ~0.1 ms either way, and a pinned block costs ~12 us more
-        # per build (benchmarks/results/hook_host_time_gpu.md).
+        # per build (an earlier hook_host_time run; git history).
         flags = stage_kernel.row_flags(query_lens, num_computed_tokens)
         stage_kernel.stage_rows_fused(
             flags=flags.to(self.device, non_blocking=True),

@@ -6,7 +6,13 @@ tokenizer, then, as clients would:
     isolated : R3 (the one-token prompt [7]) alone, first request of the fresh server
     poisoned : R1 (8 tokens, 4 generated) and R2 (streaming 64 tokens) arrive
                together; R1 completes; while R2 streams, R3 arrives and gets
-               R1's recycled state slot
+               R1's recycled state slot; ``ATTEMPTS`` times in a row
+
+Whether R3's first step reads the recycled slot depends on how the server's
+steps fall in time against the client's requests: in some full test-suite
+runs on 2 cores a single attempt gave R3 its isolated tokens without the pass
+(cause not found; alone the scenario triggered every time), so the poisoned
+part runs several times, and each attempt is recorded.
 
 With ``--pass-by-name`` the server gets the fix the way ``vllm serve`` users
 switch it on, in JSON:
@@ -39,6 +45,7 @@ from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
 R2_PROMPT, R2_TOKENS = list(range(30, 36)), 64  # long enough to outlast R3
 START_TIMEOUT_S = 600
+ATTEMPTS = 3
 
 
 def server_command(model: str, port: int, *, pass_by_name: bool) -> list[str]:
@@ -127,6 +134,21 @@ def stream(client, url: str, model: str, prompt: list[int], max_tokens: int) -> 
     return dict(tokens=tokens, logprobs=logprobs)
 
 
+def _poisoned(client, url: str, served: str) -> dict:
+    """R1 and R2 arrive together; R1 finishes, R2 keeps streaming, R3 arrives: their outputs."""
+    r1, r2 = {}, {}
+    r1_thread = threading.Thread(target=lambda: r1.update(complete(client, url, served, R1_PROMPT, R1_TOKENS)))
+    r2_thread = threading.Thread(target=lambda: r2.update(stream(client, url, served, R2_PROMPT, R2_TOKENS)))
+    r1_thread.start()
+    r2_thread.start()
+    r1_thread.join(300)
+    r3 = complete(client, url, served, R3_PROMPT, R3_TOKENS)
+    r2_thread.join(300)
+    if not r1 or len(r2.get("tokens", [])) != R2_TOKENS:
+        raise RuntimeError(f"R1 or R2 did not complete: R1 {r1}, R2 {len(r2.get('tokens', []))} tokens")
+    return dict(R1=r1, R2=r2, R3=r3)
+
+
 def run(model: str, *, pass_by_name: bool, workdir: Path) -> dict:
     import httpx
 
@@ -140,22 +162,10 @@ def run(model: str, *, pass_by_name: bool, workdir: Path) -> dict:
         start_s = time.time() - started
         served = client.get(server.url + "/v1/models").json()["data"][0]["id"]
         isolated = complete(client, server.url, served, R3_PROMPT, R3_TOKENS)
-        # R1 and R2 arrive together; R1 finishes, R2 keeps streaming, R3 arrives.
-        r1, r2 = {}, {}
-        r1_thread = threading.Thread(target=lambda: r1.update(
-            complete(client, server.url, served, R1_PROMPT, R1_TOKENS)))
-        r2_thread = threading.Thread(target=lambda: r2.update(
-            stream(client, server.url, served, R2_PROMPT, R2_TOKENS)))
-        r1_thread.start()
-        r2_thread.start()
-        r1_thread.join(300)
-        r3 = complete(client, server.url, served, R3_PROMPT, R3_TOKENS)
-        r2_thread.join(300)
-        if not r1 or len(r2.get("tokens", [])) != R2_TOKENS:
-            raise RuntimeError(f"R1 or R2 did not complete: R1 {r1}, R2 {len(r2.get('tokens', []))} tokens")
+        attempts = [_poisoned(client, server.url, served) for _ in range(ATTEMPTS)]
     return dict(
         pass_by_name=pass_by_name, server_start_s=round(start_s, 1),
-        requests=dict(R1=r1, R2=r2, R3=r3, R3_isolated=isolated),
+        requests=dict(**attempts[0], R3_isolated=isolated), attempts=attempts,
         pass_reports=len(list(reports.glob("*.json"))) if reports.exists() else 0,
         command=" ".join(server_command(model, 0, pass_by_name=pass_by_name)[1:]).replace(" --port 0", ""),
     )
