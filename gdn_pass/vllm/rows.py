@@ -116,15 +116,18 @@ _last_step: list[SchedulerRows | None] = [None]
 def scheduler_rows(common) -> SchedulerRows:
     """``common``'s ``SchedulerRows``, computed once per step whatever the number of builders.
 
-    vLLM's runners (V1 and V2, 0.26-0.33) make one ``CommonAttentionMetadata``
-    per step and hand each KV-cache group a shallow copy of it (or the same
-    host tensors): a new ``query_start_loc_cpu`` tensor object every step (a
-    view of a persistent buffer, or ``torch.from_numpy``), the same object for
-    every group of the step. So a step is recognized by the identity of its
-    ``query_start_loc_cpu`` and of the sequence-length tensor the rows are
-    read from, held here so that no later tensor can reuse their ids, and by
-    their version counters, which any in-place write bumps (a caller that
-    refills the same tensors for a new step gets fresh rows too).
+    vLLM's runners make one ``CommonAttentionMetadata`` per step and hand each
+    KV-cache group a shallow copy of it (or the same host tensors): a new
+    ``query_start_loc_cpu`` tensor object every step (a view of a persistent
+    buffer, or ``torch.from_numpy`` of a new array), the same object for every
+    group of the step (read in 0.26's and 0.30's V1 runner and 0.30's V2
+    runner; 0.27-0.32 run the tests). So a step is recognized by the identity
+    of its ``query_start_loc_cpu`` and of the sequence-length tensor the rows
+    are read from, held here so that no later tensor can reuse their ids, and
+    by their version counters, which torch's in-place writes bump (a caller
+    that refills the same tensors with torch ops gets fresh rows; writes
+    through a numpy view of them would not be seen, and vLLM's runners make
+    new tensor objects instead).
     """
     starts_cpu = common.query_start_loc_cpu
     last = _last_step[0]
