@@ -275,8 +275,8 @@ def _skip_zeroing() -> None:
         return None
 
     for module in (op_guard, step_guard):
-        module.zero_rows = module.zero_rows_all = no_write
-    op_guard.zero_new_rows_all = no_write  # CUDA steps without speculative rows
+        # zero_new_rows_all: CUDA steps whose fresh rows are found in vLLM's device tensors
+        module.zero_rows = module.zero_rows_all = module.zero_new_rows_all = no_write
 
 
 def _zeroing_without_writes() -> None:
@@ -295,15 +295,17 @@ def _zeroing_without_writes() -> None:
         module.zero_rows = without_writes(module.zero_rows)
         module.zero_rows_all = without_writes(module.zero_rows_all)
 
-    # CUDA steps without speculative rows find fresh rows on the device (query_len ==
-    # seq_len): the same launch with every seq_len one longer finds none.
-    zero_new = op_guard.zero_new_rows_all
+    # CUDA steps whose fresh rows are found on the device (query_len == seq_len): the
+    # same launch with every seq_len one longer finds none.
+    def without_new_rows(zero_new):
+        @functools.wraps(zero_new)
+        def launch_new(table, slot, query_start_loc, seq_lens, num_rows, max_rows):
+            return zero_new(table, slot, query_start_loc, seq_lens + 1, num_rows, max_rows)
 
-    @functools.wraps(zero_new)
-    def launch_new(table, slot, query_start_loc, seq_lens, num_rows, max_rows):
-        return zero_new(table, slot, query_start_loc, seq_lens + 1, num_rows, max_rows)
+        return launch_new
 
-    op_guard.zero_new_rows_all = launch_new
+    for module in (op_guard, step_guard):
+        module.zero_new_rows_all = without_new_rows(module.zero_new_rows_all)
 
 
 def _nudge_live_rows() -> None:

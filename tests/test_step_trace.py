@@ -71,9 +71,8 @@ from gdn_pass.vllm import op_guard, step_guard  # noqa: E402
 def guard_functions(monkeypatch):
     """The zeroing entry points of both guards, restored after the test."""
     for module in (op_guard, step_guard):
-        for name in ("zero_rows", "zero_rows_all"):
+        for name in ("zero_rows", "zero_rows_all", "zero_new_rows_all"):
             monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(op_guard, "zero_new_rows_all", op_guard.zero_new_rows_all)
 
 
 def _fresh_slot_cache():
@@ -106,19 +105,21 @@ def test_zeroing_without_writes_still_calls_the_zeroing_with_no_row_fresh(guard_
     assert len(seen) == 1 and not seen[0].any()
 
 
-def test_mutations_reach_the_cuda_path_that_finds_fresh_rows_on_the_device(guard_functions, monkeypatch):
-    # op_guard's CUDA fast path (no speculative rows) launches zero_new_rows_all, which finds
-    # fresh rows itself (query_len == seq_len): skip_zeroing must skip it, and
-    # zeroing_without_writes must launch it with no row able to qualify
+@pytest.mark.parametrize("guard", [op_guard, step_guard], ids=["op_guard", "step_guard"])
+def test_mutations_reach_the_cuda_path_that_finds_fresh_rows_on_the_device(guard_functions, monkeypatch, guard):
+    # Both guards' CUDA path (the op guard's steps without speculative rows, the step guard's
+    # Lightning and eager GDN steps) launches zero_new_rows_all, which finds fresh rows itself
+    # (query_len == seq_len): skip_zeroing must skip it, and zeroing_without_writes must launch
+    # it with no row able to qualify
     seen = []
-    monkeypatch.setattr(op_guard, "zero_new_rows_all", lambda table, slot, qsl, seq_lens, n, m: seen.append(seq_lens))
+    monkeypatch.setattr(guard, "zero_new_rows_all", lambda table, slot, qsl, seq_lens, n, m: seen.append(seq_lens))
     step_trace.apply_mutation("zeroing_without_writes")
     query_start_loc, seq_lens = torch.tensor([0, 1, 2]), torch.tensor([1, 9])  # row 0 fresh
-    op_guard.zero_new_rows_all("table", torch.tensor([3, 4]), query_start_loc, seq_lens, 2, 2)
+    guard.zero_new_rows_all("table", torch.tensor([3, 4]), query_start_loc, seq_lens, 2, 2)
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     assert len(seen) == 1 and not (query_lens == seen[0]).any()
     step_trace.apply_mutation("skip_zeroing")
-    op_guard.zero_new_rows_all("table", torch.tensor([3, 4]), query_start_loc, seq_lens, 2, 2)
+    guard.zero_new_rows_all("table", torch.tensor([3, 4]), query_start_loc, seq_lens, 2, 2)
     assert len(seen) == 1
 
 

@@ -69,6 +69,9 @@ class StateBuilder:
     metadata_fields: tuple[str, ...]
     rerouted_since: tuple[int, int] | None = None
     spec_columns: bool = False  # a speculative row stages one slot per column (1 + k)
+    # CUDA: the step's decode rows in vLLM's own device tensors (``compat.DecodeRows``), from which
+    # one zeroing launch finds the fresh rows itself; None (or a None result): the host stages them.
+    device_rows: Callable | None = None
     # Imported by the plugin at engine start. False: hooked when vLLM itself first
     # makes one (a subclass of a hooked builder), never imported by gdn-pass.
     eager: bool = True
@@ -140,7 +143,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
         models=_GDN_MODELS, state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
         rows=rows.gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
         metadata_fields=("non_spec_state_indices_tensor", "spec_sequence_masks", "num_decodes"),
-        rerouted_since=(0, 31)),
+        rerouted_since=(0, 31), device_rows=compat.decode_rows),
     StateBuilder(
         key="kimi_k3_kda", module="models.kimi_k3.nvidia.kda_metadata", class_name="KimiK3KDAMetadataBuilder",
         models="Kimi-K3", state="conv + recurrent state", read_by="Kimi-K3's KDA layer",
@@ -155,15 +158,17 @@ REGISTRY: tuple[StateBuilder, ...] = (
         models="Bailing-MoE-v2.5 (Ring/Ling 2.5 linear) and its MTP drafter", state="Lightning state [H, D, D]",
         read_by="vllm::linear_attention (linear_decode_forward_triton, bailing_linear_attention_decode_spec)",
         rows=rows.linear_rows, guards=("step",), metadata_class="BailingLinearAttentionMetadata",
-        metadata_fields=("num_decodes", "state_indices_tensor", "state_indices_tensor_d"),
-        spec_columns=True),
+        metadata_fields=("num_decodes", "state_indices_tensor", "state_indices_tensor_d", "query_start_loc",
+                         "seq_lens"),
+        spec_columns=True, device_rows=compat.linear_decode_rows),
     StateBuilder(
         key="minimax_linear", module="v1.attention.backends.linear_attn",
         class_name="LinearAttentionMetadataBuilder",
         models="MiniMax-Text-01's linear-attention layer (no model of 0.26-0.33 registers it)",
         state="Lightning state [H, D, D]", read_by="vllm::linear_attention (linear_decode_forward_triton)",
         rows=rows.linear_rows, guards=("step",), metadata_class="LinearAttentionMetadata",
-        metadata_fields=("num_decodes", "state_indices_tensor")),
+        metadata_fields=("num_decodes", "state_indices_tensor", "query_start_loc", "seq_lens"),
+        device_rows=compat.linear_decode_rows),
 )
 
 

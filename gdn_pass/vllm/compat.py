@@ -51,6 +51,7 @@ __all__ = [
     "BuilderContext",
     "CORE_OPS",
     "CoreOp",
+    "DecodeRows",
     "TESTED_RELEASES",
     "UnsupportedVLLM",
     "builder_class",
@@ -58,9 +59,11 @@ __all__ = [
     "check_supported",
     "core_op_problems",
     "check_release",
+    "decode_rows",
     "engine_compiles",
     "fields_of",
     "inductor_pass_base",
+    "linear_decode_rows",
     "num_computed_tokens",
     "pad_slot_ids",
     "step_inputs",
@@ -277,12 +280,13 @@ def num_computed_tokens(common, query_lens: np.ndarray, lengths: tuple[torch.Ten
 class DecodeRows:
     """A step's decode rows as vLLM's own device tensors say them (``zero_rows.zero_new_rows_all``).
 
-    ``slots``: the builder's ``non_spec_state_indices_tensor`` (what the decode
-    kernels read); ``query_start_loc``: its ``non_spec_query_start_loc``;
-    ``seq_lens``: the scheduler's ``common_attn_metadata.seq_lens``; the first
+    ``slots``: the slots the builder's decode kernels read, ``[rows]`` or
+    ``[rows, columns]`` (a speculative row reads one of its ``1 + k``
+    columns; all are its own); ``query_start_loc``: the rows' query offsets;
+    ``seq_lens``: the scheduler's per-row sequence lengths; the first
     ``num_rows`` (``num_decodes``) rows run the decode path. Under FULL CUDA
-    graphs all three are vLLM's persistent buffers, refreshed before each replay.
-    vLLM 0.26-0.31 build them as 1-D int32 tensors on the builder's device.
+    graphs all three are vLLM's persistent buffers, refreshed before each
+    replay. vLLM 0.26-0.33 build them as int32 tensors on the builder's device.
     """
 
     slots: torch.Tensor
@@ -302,22 +306,41 @@ def _decode_fields_exist() -> bool:
 
 
 def decode_rows(common, metadata) -> DecodeRows | None:
-    """The step's ``DecodeRows``, or None where they cannot say which rows are new.
+    """GDN: the step's ``DecodeRows``, or None where they cannot say which rows are new.
 
-    None on steps with speculative rows (their fresh rows need the host's
-    view, ``rows.gdn_rows``), on releases without these fields, and
-    on a step whose tensors are shorter than its decode rows: the caller then
-    stages the rows itself. Runs at every build, so it checks only what can
-    change from step to step (a few attribute reads, ~1 us).
+    ``slots`` is ``non_spec_state_indices_tensor``, ``query_start_loc`` its
+    ``non_spec_query_start_loc``. None on steps with speculative rows (their
+    fresh rows need the host's view, ``rows.gdn_rows``), on releases without
+    these fields, and on a step whose tensors are shorter than its decode
+    rows: the caller then stages the rows itself. Runs at every build, so it
+    checks only what can change from step to step (a few attribute reads, ~1 us).
     """
     if metadata.spec_sequence_masks is not None or not _decode_fields_exist():
         return None
-    slots = metadata.non_spec_state_indices_tensor
-    starts = metadata.non_spec_query_start_loc
-    seq_lens = getattr(common, "seq_lens", None)
+    return _fitting(metadata.non_spec_state_indices_tensor, metadata.non_spec_query_start_loc,
+                    getattr(common, "seq_lens", None), metadata.num_decodes)
+
+
+def linear_decode_rows(common, metadata) -> DecodeRows | None:
+    """Lightning linear attention: the step's ``DecodeRows``, or None where they cannot say.
+
+    ``slots``: ``state_indices_tensor_d`` (Bailing: ``[rows, 1 + k]`` with
+    speculative decoding, else ``[rows]``), or ``state_indices_tensor``
+    (``LinearAttentionMetadata``); ``query_start_loc`` / ``seq_lens``: the
+    metadata's own, the scheduler's. The builder puts its decodes first, so a
+    fresh decode row is one of the first ``num_decodes`` whose tokens are all
+    new, speculative rows included (a fresh prompt of ``1 + k`` tokens).
+    """
+    slots = getattr(metadata, "state_indices_tensor_d", None)
+    if slots is None:
+        slots = metadata.state_indices_tensor
+    return _fitting(slots, metadata.query_start_loc, metadata.seq_lens, metadata.num_decodes)
+
+
+def _fitting(slots, starts, seq_lens, num_rows) -> DecodeRows | None:
     if slots is None or starts is None or seq_lens is None:
         return None
-    num_rows = metadata.num_decodes
+    num_rows = int(num_rows)
     if num_rows > slots.shape[0] or num_rows >= starts.shape[0] or num_rows > seq_lens.shape[0]:
         return None
     return DecodeRows(slots, starts, seq_lens, num_rows)

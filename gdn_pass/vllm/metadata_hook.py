@@ -19,11 +19,12 @@ the guards, with what else it computed for the step, as one
 is staged: on a step with a row to zero, its flag and slot
 (``StagedRowMetadata.stage_fresh``: two copies, no kernel); on the others,
 nothing (``stage_no_fresh``: ``fresh`` cleared once after a step that had
-fresh rows). On CUDA steps without speculative rows nothing is staged at
-all: the op guard's one zeroing launch finds the new decode rows itself in
-vLLM's own device tensors (``compat.DecodeRows``: a row whose
-``seq_len`` equals its query length), and the host only counts them, so that
-an eager step with none launches nothing. Where no guarded op covers
+fresh rows). On CUDA nothing is staged at all where the entry can read its
+decode rows in vLLM's own device tensors (``StateBuilder.device_rows``: GDN
+steps without speculative rows, every Lightning step): the guard's one
+zeroing launch finds the new decode rows itself (``compat.DecodeRows``: a
+row whose ``seq_len`` equals its query length), and the host only counts
+them, so that a step with none launches nothing. Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
 step guard (``step_guard``) zeroes the fresh slots right after the build;
 the linear-attention builders, whose reads sit inside ``vllm::linear_attention``
@@ -168,8 +169,9 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     step_owned = owner is _STEP
     caches, table = _group_state(guard)
     decode = None
-    if table is not None and not step_owned:
-        decode = compat.decode_rows(common, metadata)
+    device_rows = guard.entry.device_rows
+    if table is not None and device_rows is not None:
+        decode = device_rows(common, metadata)
         if decode is not None and decode.num_rows > rows.max_rows:
             decode = None
     if decode is None:  # else the zeroing launch finds the new rows in vLLM's tensors
@@ -270,9 +272,14 @@ def _group_state(guard: BuilderGuard) -> tuple[list[torch.Tensor], CacheTable | 
     bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
     caches = [t for kv_cache in bound for t in (kv_cache or ())
               if isinstance(t, torch.Tensor) and t.numel()]
-    table = CacheTable.build(caches) if caches and context.device.type == "cuda" else None
+    table = _cache_table(caches, context.device)
     guard.group = (first, caches, table)
     return caches, table
+
+
+def _cache_table(caches: list[torch.Tensor], device: torch.device) -> CacheTable | None:
+    """The group's one-launch table (CUDA), or None: zeroed cache by cache (CPU)."""
+    return CacheTable.build(caches) if caches and device.type == "cuda" else None
 
 
 def _new_rows(builder, context: compat.BuilderContext, entry: builders.StateBuilder) -> StagedRowMetadata:

@@ -24,6 +24,7 @@ the step, before the model's forward is launched::
 
     metadata = build(...)                     # vLLM
     rows.stage_fresh(...) / stage_no_fresh()  # metadata_hook: the rows to zero, their slots
+                                              # (CUDA: nothing, where vLLM's tensors say them)
     if owner(group) is STEP and any fresh row (known on the host):
         for cache in every layer's kv_cache:  # conv + recurrent, ...
             cache[slot[fresh]] = 0            # CUDA: one sync-free launch for the group
@@ -52,7 +53,7 @@ import enum
 import torch
 
 from gdn_pass.vllm.handoff import StepHandoff
-from gdn_pass.vllm.zero_rows import zero_rows, zero_rows_all
+from gdn_pass.vllm.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 
 __all__ = ["Owner", "activity", "decide_owner", "guarded_layers", "note_guarded_layer", "note_stand_down",
            "stood_down", "zero_group"]
@@ -113,18 +114,25 @@ def zero_group(layer_caches: list[torch.Tensor], handoff: StepHandoff) -> int:
 
     ``handoff.host_fresh`` is the scheduler's count of fresh rows, known on
     the host: with none, nothing is launched. On CUDA with a cache table
-    (``handoff.table``) it is one launch; otherwise one per cache (CPU:
-    ``index_fill_`` of the host-selected slots).
+    (``handoff.table``) it is one launch (per slot column of a speculative
+    row), which finds the fresh rows in vLLM's tensors where the hand-off
+    carries them (``handoff.decode``) and reads the staged rows otherwise;
+    without a table, one per cache (CPU: ``index_fill_`` of the host-selected
+    slots).
     """
     if handoff.host_fresh == 0 or not layer_caches:
         return 0
-    rows, table = handoff.rows, handoff.table
-    fresh = rows.fresh_rows()
+    rows, table, decode = handoff.rows, handoff.table, handoff.decode
     _ACTIVITY["steps_zeroed"] += 1
-    if table is not None:
-        zero_rows_all(table, rows.state_slot, fresh)
+    if table is not None and decode is not None:  # nothing staged: vLLM's tensors say which rows
+        zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens, decode.num_rows,
+                          rows.max_rows)
+        launches = 1 if decode.slots.dim() == 1 else decode.slots.shape[1]
+    elif table is not None:
+        zero_rows_all(table, rows.state_slot, rows.fresh_rows())
         launches = 1
     else:
+        fresh = rows.fresh_rows()
         for cache in layer_caches:
             zero_rows(cache, rows.state_slot, fresh)
         launches = len(layer_caches)

@@ -191,7 +191,10 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
 
     Args:
         table: a ``CacheTable`` of CUDA caches.
-        slot: ``[>= num_rows]`` integer, any stride (vLLM's ``non_spec_state_indices_tensor``).
+        slot: ``[>= num_rows]`` or ``[>= num_rows, columns]`` integer, any
+            strides (vLLM's ``non_spec_state_indices_tensor``, or a speculative
+            builder's ``[rows, 1 + k]`` slots: every column of a fresh row is
+            zeroed, one launch per column).
         query_start_loc: ``[>= num_rows + 1]`` integer, contiguous.
         seq_lens: ``[>= num_rows]`` integer, contiguous.
         num_rows: the step's rows (an int on the host).
@@ -201,21 +204,24 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
     Tensors on the caches' device. Guarantees: as ``zero_rows_all`` for the
     fresh rows above. Nothing is staged or copied: under FULL CUDA graphs the
     captured launch reads vLLM's persistent buffers, which vLLM refreshes
-    before each replay (padding rows run no tokens). ``ValueError`` when a
-    tensor is not 1-D or the rows do not fit ``max_rows`` or the tensors.
+    before each replay (padding rows run no tokens). ``ValueError`` when
+    ``slot`` is not 1-D or 2-D, another tensor is not 1-D, or the rows do not
+    fit ``max_rows`` or the tensors.
     """
     global _new_rows_kernel
     if _new_rows_kernel is None:
         _new_rows_kernel = _kernels().zero_new_rows_all_kernel
-    if (slot.dim(), query_start_loc.dim(), seq_lens.dim()) != (1, 1, 1) or not 0 <= num_rows <= min(
-            max_rows, slot.numel(), seq_lens.numel(), query_start_loc.numel() - 1):
+    if (slot.dim() not in (1, 2) or (query_start_loc.dim(), seq_lens.dim()) != (1, 1) or not 0 <= num_rows <= min(
+            max_rows, slot.shape[0], seq_lens.numel(), query_start_loc.numel() - 1)):
         raise ValueError(
-            f"{num_rows} rows do not fit max_rows={max_rows} and slot {tuple(slot.shape)}, "
+            f"{num_rows} rows do not fit max_rows={max_rows} and slot {tuple(slot.shape)} (1-D or 2-D), "
             f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)} (1-D each)")
     chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
-    _new_rows_kernel[(_programs(slot.device),)](
-        table.table, slot, slot.stride(0), query_start_loc, seq_lens, num_rows, table.table.shape[0], chunks, _CHUNK_WORDS,
-        ROWS=max(16, 1 << (max_rows - 1).bit_length()), BLOCK=_BLOCK)
+    columns = [slot] if slot.dim() == 1 else [slot[:, c] for c in range(slot.shape[1])]
+    for column in columns:
+        _new_rows_kernel[(_programs(slot.device),)](
+            table.table, column, column.stride(0), query_start_loc, seq_lens, num_rows, table.table.shape[0],
+            chunks, _CHUNK_WORDS, ROWS=max(16, 1 << (max_rows - 1).bit_length()), BLOCK=_BLOCK)
 
 
 _new_rows_kernel = None  # _zero_kernels.zero_new_rows_all_kernel, once launched

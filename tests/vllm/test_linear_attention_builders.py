@@ -19,6 +19,12 @@ state update ``S' = k v^T + exp(-slope) S``, ``o = q S'``, the same slot
 choice and the same ``-1`` skip). A fresh row must give the output of a zero
 state; a row with history must give exactly what it gives without the pass;
 no slot other than a fresh row's own may change.
+
+Every case runs twice: here, where the step guard zeroes on the host's view of
+the rows (CPU), and again on the CUDA path (``tests/vllm/cuda_zeroing.py``):
+the zeroing launch finds the fresh rows itself in the built metadata's
+``query_start_loc`` / ``seq_lens`` and zeroes every slot column
+(``compat.linear_decode_rows``), run in Triton's interpreter on the CPU caches.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 
 from gdn_pass.vllm import metadata_hook, step_guard
 from gdn_pass.vllm.handoff import handoff_of
+from tests.vllm.cuda_zeroing import on_the_cuda_path, run_module_on_the_cuda_path, take_the_cuda_path
 from tests.vllm.test_metadata_hook import common_metadata, vllm_config
 
 H, D = 2, 4  # heads, head dim of the stand-in state [H, D, D]
@@ -119,6 +126,15 @@ def changed_slots(before, after):
 @pytest.fixture(autouse=True)
 def _no_guarded_ops(monkeypatch):
     monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
+
+
+@pytest.fixture(autouse=True)
+def device_launches(monkeypatch):
+    """On the CUDA path (the interpreter run): the caches each device-row launch covered."""
+    launches = []
+    if on_the_cuda_path():
+        take_the_cuda_path(monkeypatch, launches)
+    return launches
 
 
 def qkv(tokens, seed=0):
@@ -231,3 +247,9 @@ def test_unconfigured_builds_exactly_as_vllm():
     assert handoff_of(metadata) is None
     assert metadata.state_indices_tensor_d.tolist() == plain.state_indices_tensor_d.tolist()
     assert (metadata.num_decodes, metadata.num_prefills) == (plain.num_decodes, plain.num_prefills)
+
+
+@pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
+def test_every_case_again_on_the_cuda_zeroing_path():
+    """The cases above with the zeroing CUDA runs: vLLM's device rows, one launch, nothing staged."""
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)

@@ -5,7 +5,8 @@ poisoned caches sit in the static forward context. Each case says which guard
 owns the group (eager engine, compiled with every layer behind a guarded op,
 compiled with a layer no guarded op reaches) and checks, on poisoned caches, that
 every fresh slot is zeroed exactly once per step, by exactly one guard, and
-nothing else is touched.
+nothing else is touched. Every case runs again on the CUDA path (one launch per
+group, the fresh rows found in vLLM's device tensors), in Triton's interpreter.
 """
 
 from types import SimpleNamespace
@@ -18,6 +19,7 @@ from gdn_pass.vllm import metadata_hook, op_guard, step_guard
 from gdn_pass.vllm.handoff import handoff_of
 from gdn_pass.vllm.step_guard import Owner
 
+from cuda_zeroing import on_the_cuda_path, run_module_on_the_cuda_path, take_the_cuda_path
 from test_metadata_hook import bug_step, common_metadata
 
 LAYERS = [f"model.layers.{i}.linear_attn" for i in range(3)]
@@ -41,8 +43,12 @@ def guarded(monkeypatch):
 
 @pytest.fixture
 def zero_calls(monkeypatch):
-    """Every zeroing call, from either guard: (who, cache address)."""
+    """Every zeroing call, from either guard: (who, cache address). On the CUDA path (the
+    interpreter run, ``tests/vllm/cuda_zeroing.py``) each cache one device-row launch covers."""
     calls = []
+    if on_the_cuda_path():
+        take_the_cuda_path(monkeypatch, calls)
+        return calls
     for module, who in ((step_guard, "step"), (op_guard, "op")):
         original = module.zero_rows
 
@@ -172,3 +178,8 @@ def test_decide_owner():
         assert step_guard.decide_owner([], compiled=True) is Owner.STEP
     finally:
         step_guard._GUARDED_LAYERS.discard("covered.layer")
+
+
+@pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
+def test_every_case_again_on_the_cuda_zeroing_path():
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=6)

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from tests.triton_interpreter import run_in_interpreter
+from tests.vllm.cuda_zeroing import cpu_table
 
 pytest.importorskip("triton")
 
@@ -31,13 +32,6 @@ NUM_SLOTS = 40
 RECURRENT_WORDS = 700  # 11 chunks of 64 words, the last one ragged
 # (max_rows, programs in the grid, share of rows fresh)
 CASES = [(1, 1, 1.0), (5, 3, 0.5), (16, 8, 0.0), (33, 3, 0.5), (33, 7, 1.0), (40, 2, 0.25)]
-
-
-def cpu_table(caches):
-    """``CacheTable.build`` accepts CUDA caches only; the same table, for CPU tensors."""
-    entries = [(c.data_ptr(), c.stride(0) * c.element_size() // 4, c[0].numel() * c.element_size() // 4)
-               for c in caches]
-    return CacheTable(caches, torch.tensor(entries, dtype=torch.int64), max(e[2] for e in entries))
 
 
 def check_case(max_rows: int, programs: int, share: float) -> list[str]:
@@ -75,12 +69,16 @@ def check_case(max_rows: int, programs: int, share: float) -> list[str]:
     return errors
 
 
-def check_new_rows_case(max_rows: int, programs: int, share: float) -> list[str]:
-    """``zero_new_rows_all``: three steps of one case; what went wrong. Run with the interpreter on."""
+def check_new_rows_case(max_rows: int, programs: int, share: float, columns: int = 1) -> list[str]:
+    """``zero_new_rows_all``: three steps of one case; what went wrong. Run with the interpreter on.
+
+    ``columns`` > 1: the slots are ``[rows, columns]`` (a speculative builder's ``1 + k`` slots
+    per row, its own blocks): every column of a new row is zeroed."""
     zero_rows._programs = lambda device: programs
     zero_rows._CHUNK_WORDS = 64
     rng = random.Random(max_rows * 1000 + programs)
-    pool = torch.randn(NUM_SLOTS + 1, RECURRENT_WORDS + 13)  # row 0: the memory before slot 0
+    num_slots = NUM_SLOTS * columns
+    pool = torch.randn(num_slots + 1, RECURRENT_WORDS + 13)  # row 0: the memory before slot 0
     recurrent = pool[1:, :RECURRENT_WORDS]
     table = cpu_table([recurrent])
     errors = []
@@ -88,23 +86,24 @@ def check_new_rows_case(max_rows: int, programs: int, share: float) -> list[str]
         padded = rng.randint(1, max_rows)  # the step's rows, padding included
         real = rng.randint(0, padded)  # padding rows run no tokens
         decodes = rng.randint(0, real)  # the rows on the decode path come first
-        slots = rng.sample(range(NUM_SLOTS), padded)
+        row_slots = rng.sample(range(num_slots), padded * columns)
+        slots = [row_slots[r * columns : (r + 1) * columns] for r in range(padded)]
         query_lens = [rng.choice([1, 1, 1, 3]) if r < real else 0 for r in range(padded)]
         new = [r < real and rng.random() < share for r in range(padded)]  # no token computed before
         seq_lens = [q if n else q + rng.randint(1, 50) for q, n in zip(query_lens, new)]
         if step == 1 and decodes:
-            slots[0], new[0], seq_lens[0] = -1, True, query_lens[0]  # a new row naming PAD_SLOT_ID
-        block_table = torch.tensor([[s, 7, 7] for s in slots], dtype=torch.int32)
+            slots[0], new[0], seq_lens[0] = [-1] * columns, True, query_lens[0]  # a new row naming PAD_SLOT_ID
+        block_table = torch.tensor([[*s, 7, 7] for s in slots], dtype=torch.int32)
         starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
         pool.copy_(torch.randn(pool.shape))
         old = pool.clone()
-        zero_new_rows_all(table, block_table[:, 0], starts, torch.tensor(seq_lens, dtype=torch.int32),
-                          decodes, max_rows)
-        zeroed = {s for r, s in enumerate(slots)
+        slot = block_table[:, 0] if columns == 1 else block_table[:, :columns]
+        zero_new_rows_all(table, slot, starts, torch.tensor(seq_lens, dtype=torch.int32), decodes, max_rows)
+        zeroed = {s for r, row in enumerate(slots) for s in row
                   if r < decodes and query_lens[r] > 0 and seq_lens[r] == query_lens[r] and s >= 0}
         if not torch.equal(pool[0], old[0]):
             errors.append(f"step {step}: wrote the memory before slot 0")
-        for s in range(NUM_SLOTS):
+        for s in range(num_slots):
             if s in zeroed:
                 if not recurrent[s].eq(0).all():
                     errors.append(f"step {step}: new row's slot {s} not zeroed")
@@ -130,6 +129,11 @@ def test_new_decode_rows_found_in_vllms_lengths(interpreted_results, case):
     assert interpreted_results["new " + json.dumps(case)] == []
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rows{c[0]}-programs{c[1]}-new{c[2]}")
+def test_every_slot_column_of_a_new_row(interpreted_results, case):
+    assert interpreted_results["new2 " + json.dumps(case)] == []
+
+
 def test_new_rows_must_fit_the_row_block():
     table = cpu_table([torch.zeros(4, 64)])
     starts, lens = torch.zeros(6, dtype=torch.int32), torch.ones(5, dtype=torch.int32)
@@ -147,4 +151,5 @@ def test_fresh_and_slot_rows_must_agree(monkeypatch):
 if __name__ == "__main__":  # the subprocess: every case, its errors as one JSON line
     results = {json.dumps(case): check_case(*case) for case in CASES}
     results.update({"new " + json.dumps(case): check_new_rows_case(*case) for case in CASES})
+    results.update({"new2 " + json.dumps(case): check_new_rows_case(*case, columns=2) for case in CASES})
     print(json.dumps(results))

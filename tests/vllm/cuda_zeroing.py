@@ -1,0 +1,85 @@
+"""The guards' CUDA zeroing path on CPU: the same kernels in Triton's interpreter, on CPU tensors.
+
+On CUDA the guards zero a group's fresh slots in one launch over a
+``CacheTable`` of every layer's caches; where the entry reads its decode rows
+in vLLM's own device tensors (``StateBuilder.device_rows``) that launch finds
+the fresh rows itself (``zero_new_rows_all``) and nothing is staged. CPU
+engines never take that path (no table off CUDA). A test module that
+supports it runs its cases a second time in a subprocess with Triton's
+interpreter on (``run_module_on_the_cuda_path``); there an autouse fixture
+calls ``take_the_cuda_path``, which builds a table of the CPU caches, forbids
+the staged and per-cache zeroings, and records each device-row launch, so
+that a case passes only through the CUDA path.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gdn_pass.vllm.zero_rows import CacheTable
+
+ENV = "GDN_PASS_TEST_CUDA_ZEROING"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def on_the_cuda_path() -> bool:
+    """Is this process the interpreter run of ``run_module_on_the_cuda_path``?"""
+    return os.environ.get(ENV) == "1"
+
+
+def cpu_table(caches: list[torch.Tensor]) -> CacheTable:
+    """``CacheTable.build`` accepts CUDA caches only; the same table, for CPU tensors."""
+    entries = [(c.data_ptr(), c.stride(0) * c.element_size() // 4, c[0].numel() * c.element_size() // 4)
+               for c in caches]
+    return CacheTable(caches, torch.tensor(entries, dtype=torch.int64), max(e[2] for e in entries))
+
+
+def take_the_cuda_path(monkeypatch, launches: list) -> None:
+    """Guards zero through the one-launch table and vLLM's device rows only; ``launches`` gets
+    ``(guard, cache address)`` for every cache each device-row launch covers."""
+    from gdn_pass.vllm import metadata_hook, op_guard, step_guard, zero_rows
+
+    monkeypatch.setattr(metadata_hook, "_cache_table", lambda caches, device: cpu_table(caches) if caches else None)
+    monkeypatch.setattr(zero_rows, "_programs", lambda device: 3)  # fewer programs than work items
+    monkeypatch.setattr(zero_rows, "_CHUNK_WORDS", 16)  # a slot spans several chunks
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{name}: the CUDA path stages nothing and zeroes through vLLM's device rows")
+        return call
+
+    for module, who in ((step_guard, "step"), (op_guard, "op")):
+        original = module.zero_new_rows_all
+
+        def recorded(table, *args, _original=original, _who=who):
+            launches.extend((_who, cache.data_ptr()) for cache in table.caches)
+            return _original(table, *args)
+
+        monkeypatch.setattr(module, "zero_new_rows_all", recorded)
+        monkeypatch.setattr(module, "zero_rows_all", forbidden(f"{who} guard's zero_rows_all"))
+        monkeypatch.setattr(module, "zero_rows", forbidden(f"{who} guard's zero_rows"))
+
+
+def run_module_on_the_cuda_path(module_file: str, runner_test: str, expected_passed: int,
+                                timeout: float = 900) -> str:
+    """Run ``module_file``'s tests but ``runner_test`` (the caller) in a subprocess with the
+    interpreter on and ``ENV`` set; assert that ``expected_passed`` of them passed and none failed
+    or was skipped; return pytest's summary line."""
+    env = dict(os.environ, TRITON_INTERPRET="1", **{ENV: "1"},
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", module_file, "-k", f"not {runner_test}"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    lines = done.stdout.strip().splitlines()
+    summary = lines[-1] if lines else ""
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    counts = {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed)",
+                                                     summary)}
+    assert counts == {"passed": expected_passed}, summary
+    return summary
