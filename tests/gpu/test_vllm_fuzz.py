@@ -36,9 +36,12 @@ from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 REQUESTS = int(os.environ.get("GDN_PASS_GPU_FUZZ_REQUESTS", "2000"))
 TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
-CONFIGS = ("preempt_prefix_hits", "mtp", "bad_input_under_load")
+# GDN_PASS_GPU_FUZZ_CONFIGS=bailing_linear,bailing_linear_mtp runs the Lightning builder's configurations.
+CONFIGS = tuple(c for c in os.environ.get("GDN_PASS_GPU_FUZZ_CONFIGS",
+                                          "preempt_prefix_hits,mtp,bad_input_under_load").split(",") if c)
+SPECULATIVE = {"mtp", "bailing_linear_mtp"}
 # The harness's fix zeroes no speculative row: MTP's footprint is judged against pass off.
-GUARDS = {config: ("off", "on") if config == "mtp" else ("off", "on", fz.HARNESS_FIX) for config in CONFIGS}
+GUARDS = {config: ("off", "on") if config in SPECULATIVE else ("off", "on", fz.HARNESS_FIX) for config in CONFIGS}
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +85,7 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     acted_on = set(s["acted_on"])
     # every request the guard acted on matches its isolated run
     assert not acted_on & set(on["mismatched_ids"]), on["examples"]
-    if config == "mtp":
+    if config in SPECULATIVE:
         # vLLM 0.26's own MTP mismatches (a final chunk or a new prompt of 1 + k tokens
         # run as a speculative decode, README, Known limits) are allowed only where the
         # guard did not act and pass off gives the very same output (perturbed_by_pass below)
@@ -94,7 +97,7 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     else:
         assert on["mismatches"] == 0, on["examples"]
     assert s["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
-    assert s["footprint_baseline"] == ("off" if config == "mtp" else fz.HARNESS_FIX)
+    assert s["footprint_baseline"] == ("off" if config in SPECULATIVE else fz.HARNESS_FIX)
     problem = footprint_problem(s)
     assert problem is None, problem
     if host_noise(s):
@@ -105,7 +108,7 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     assert trace["padded_graph_steps"] > 0, "no step replayed a padded CUDA graph"
     if config == "preempt_prefix_hits":
         assert on["preemptions"] > 0 and on["prefix_cache_hits"] > 0 and on["resume_references"] > 0
-    if config == "mtp":
+    if config in SPECULATIVE:
         assert trace["spec_steps"] > 0
     if config == "bad_input_under_load":
         assert on["rejected"] > 0 and on["aborted"] > 0
