@@ -115,6 +115,40 @@ def row_kinds(query_lens, num_computed_tokens, paths: list[str]) -> Counter:
     return kinds
 
 
+def compare_with_hook(state: dict, m, md, ids: list, qlens, computed, trace_fresh: int) -> None:
+    """Compare the plugin hook's count of rows to zero with this trace's count of fresh rows.
+
+    The hook hands its guards the count from its host view of the step
+    (``handoff.host_fresh``: the scheduler's host lengths); the trace counts the
+    fresh rows on a path that reads their slot from vLLM's device lengths
+    (``row_kinds``). Where the hook attached a hand-off (pass on, and the hook
+    inside this trace's wrapper), one more step is compared, and the first 20
+    steps where the counts differ keep their rows (``hook_disagreements``):
+    which requests, their lengths as each side saw them, and vLLM's split.
+    """
+    from gdn_pass.vllm import compat
+    from gdn_pass.vllm.handoff import handoff_of
+
+    handoff = handoff_of(md)
+    if handoff is None or handoff.host_fresh is None:
+        return  # pass off, or the hook wraps this trace and attaches later
+    slots_d = getattr(md, "state_indices_tensor_d", None)
+    width = slots_d.shape[1] if slots_d is not None and slots_d.dim() == 2 else 1
+    hook_fresh = handoff.host_fresh // width  # the Lightning hook counts each slot column
+    state["hook_compared"] = state.get("hook_compared", 0) + 1
+    disagreements = state.setdefault("hook_disagreements", [])
+    if hook_fresh == trace_fresh or len(disagreements) >= 20:
+        return
+    n = m.num_reqs
+    host = compat.num_computed_tokens(m, qlens.numpy(), compat.host_lengths(m))
+    accepted = getattr(md, "num_accepted_tokens", None)
+    disagreements.append(dict(
+        step=len(state.get("steps", ())) - 1, hook_fresh=hook_fresh, trace_fresh=trace_fresh,
+        req_ids=list(ids[:n]), query_lens=qlens.tolist(), computed_device=computed.tolist(),
+        computed_host=[int(x) for x in host[:n]], num_decodes=int(md.num_decodes),
+        num_prefills=int(md.num_prefills), num_accepted=None if accepted is None else accepted[:n].cpu().tolist()))
+
+
 def fill_caches(vllm_config, value: float) -> int:
     """Set every layer's KV / conv / recurrent cache of this worker to ``value``; the count of tensors."""
     import torch
@@ -146,6 +180,8 @@ class StepTrace:
         state["detail"] = detail
         state["one_token_paths"] = {}
         state["fresh_reads"] = {}
+        state["hook_compared"] = 0
+        state["hook_disagreements"] = []
         state["runner"] = getattr(self, "model_runner", None)
         if _ACTIVE.get("installed"):
             return True
@@ -195,6 +231,7 @@ class StepTrace:
                     state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
                 if c == 0 and q > 0 and path != "prefill":
                     state["fresh_reads"][rid] = path
+            compare_with_hook(state, m, md, ids, qlens, computed, state["steps"][-1]["rows"]["fresh_decode"])
             if state["detail"]:
                 all_slots = [] if slots is None else slots.tolist()
                 state["steps"][-1]["detail"] = dict(
@@ -262,6 +299,9 @@ class StepTrace:
                     fresh_decode_in_padded_full_graph=fresh_in_padded_full,
                     one_token_paths=dict(state.get("one_token_paths", {})),
                     fresh_reads=dict(state.get("fresh_reads", {})),
+                    # the plugin hook's count of rows to zero against this trace's, per step
+                    hook_compared_steps=state.get("hook_compared", 0),
+                    hook_disagreements=list(state.get("hook_disagreements", [])),
                     spec_steps=sum(s["rows"]["spec"] > 0 for s in steps))
 
 

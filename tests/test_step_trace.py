@@ -58,6 +58,50 @@ def test_lightning_metadata_paths_decodes_first_spec_by_slot_columns():
     assert metadata_row_paths(gdn, 2) == ["decode", "prefill"]
 
 
+# --- the plugin hook's count against the trace's (compare_with_hook) ---------------
+
+
+def _step(host_seq_lens, qlens, device_computed, *, num_decodes, host_fresh, columns=None):
+    """One built step as the trace sees it: the scheduler's host lengths (what the hook reads),
+    the device's computed counts (what the trace reads) and the hook's hand-off."""
+    from types import SimpleNamespace
+
+    import torch as t
+
+    from gdn_pass.vllm.handoff import StepHandoff
+
+    m = SimpleNamespace(num_reqs=len(qlens), seq_lens_cpu_upper_bound=t.tensor(host_seq_lens, dtype=t.int32))
+    md = SimpleNamespace(num_decodes=num_decodes, num_prefills=len(qlens) - num_decodes,
+                         state_indices_tensor_d=None if columns is None else t.zeros(num_decodes, columns),
+                         gdn_pass_handoff=StepHandoff(rows=None, host_fresh=host_fresh))
+    return m, md, t.tensor(qlens, dtype=t.int32), t.tensor(device_computed, dtype=t.int32)
+
+
+def test_hook_and_trace_agreeing_is_counted_and_keeps_no_rows():
+    state = {}
+    m, md, qlens, computed = _step([12, 1, 31], [1, 1, 1], [11, 0, 30], num_decodes=3, host_fresh=2, columns=2)
+    step_trace.compare_with_hook(state, m, md, ["a", "b", "c"], qlens, computed, trace_fresh=1)
+    assert state["hook_compared"] == 1 and state["hook_disagreements"] == []
+
+
+def test_a_row_the_hook_counts_and_the_trace_does_not_is_kept_with_both_views():
+    # the hook's host lengths call row "b" new; the device's computed count says it has a token
+    state = {"steps": [{}]}
+    m, md, qlens, computed = _step([12, 1, 31], [1, 1, 1], [11, 1, 30], num_decodes=3, host_fresh=1)
+    step_trace.compare_with_hook(state, m, md, ["a", "b", "c"], qlens, computed, trace_fresh=0)
+    [kept] = state["hook_disagreements"]
+    assert (kept["hook_fresh"], kept["trace_fresh"], kept["req_ids"]) == (1, 0, ["a", "b", "c"])
+    assert kept["computed_host"] == [11, 0, 30] and kept["computed_device"] == [11, 1, 30]
+
+
+def test_steps_without_a_hand_off_are_not_compared():
+    from types import SimpleNamespace
+
+    state = {}
+    step_trace.compare_with_hook(state, None, SimpleNamespace(), [], None, None, trace_fresh=1)
+    assert state == {}
+
+
 # --- deliberate breaks for diagnostic fuzz runs (GDN_FUZZ_MUTATION) ----------------
 
 import pytest  # noqa: E402
