@@ -266,9 +266,8 @@ def cmd_demo(args) -> int:
     require_vllm()
     from gdn_pass.checker import demo
 
-    sys.argv = ["gdn-pass demo", "--workdir", args.workdir or "artifacts/demo",
-                *(a for item in args.engine_arg for a in ("--engine-arg", item))]
-    return demo.main()
+    return demo.main(["--workdir", args.workdir or "artifacts/demo",
+                      *(a for item in args.engine_arg for a in ("--engine-arg", item))])
 
 
 def main(argv: list[str] | None = None) -> int:

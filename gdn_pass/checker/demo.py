@@ -90,6 +90,9 @@ def run_demo(
 ) -> dict:
     """The three engines for one checkpoint ``kind`` (``gdn_pass.checker.checkpoints.CHECKPOINTS``, and what the test harness registers).
 
+    Returns ``{"results": {run: its scenario result}, "summary": {...}}``, also
+    written to ``workdir / "demo.json"``.
+
     ``trigger`` is the scenario of the pass-off / pass-on runs ("poisoned", or
     "recycled" where R3 runs alone after R1, as speculative decoding needs);
     ``extra_args`` go to every engine, the isolated one included.
@@ -116,7 +119,9 @@ def run_demo(
         summary["r2_pass_on_vs_pass_off"] = compare(
             results["pass_off"]["requests"]["R2"], results["pass_on"]["requests"]["R2"]
         )
-    return dict(results=results, summary=summary)
+    demo = dict(results=results, summary=summary)
+    (workdir / "demo.json").write_text(json.dumps(demo, indent=1))
+    return demo
 
 
 def format_table(demo: dict) -> str:
@@ -151,14 +156,14 @@ def format_table(demo: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gdn-pass demo", description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default="artifacts/demo")
     ap.add_argument("--kind", default="qwen3_next", help="tiny checkpoint kind (model family)")
     ap.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                     help="extra vLLM engine argument for every engine, e.g. on vLLM 0.26 without "
                          "FlashInfer: additional_config='{\"gdn_prefill_backend\": \"triton\"}'")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     demo = run_demo(Path(args.workdir), kind=args.kind,
                     extra_args=tuple(a for item in args.engine_arg for a in ("--engine-arg", item)))
     print()

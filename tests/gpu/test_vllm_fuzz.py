@@ -81,6 +81,12 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     s = summaries[config]
     assert "error" not in s, s.get("error")
     off, on = s["runs"]["off"], s["runs"]["on"]
+    disagreements = on["trace"].get("hook_disagreements")
+    if disagreements:
+        # The hook's host count against the trace's device count (asserted equal on CPU,
+        # tests/vllm/test_fuzz.py; not yet run on the GPU): reported first, kept in the summary.
+        warnings.warn(f"{config}: the hook and the step trace counted fresh rows differently in "
+                      f"{len(disagreements)} step(s); first: {disagreements[0]}")
     assert off["fresh_decode_steps"] > 0 and off["first_token_mismatches"] > 0, off["examples"]
     acted_on = set(s["acted_on"])
     # every request the guard acted on matches its isolated run

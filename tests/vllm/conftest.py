@@ -1,6 +1,5 @@
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -57,12 +56,24 @@ def llama_checkpoint(engine_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo(engine_dir, qwen3_next_checkpoint) -> dict:
-    """The README demonstration's three engines, run once per session."""
-    from gdn_pass.checker.demo import run_demo
+def demo(engine_dir) -> dict:
+    """The README demonstration's three engines, run once per session through the command line
+    (``gdn-pass demo``, on its own tiny Qwen3-Next: the same seeded checkpoint as
+    ``qwen3_next_checkpoint``): ``run_demo``'s result (``demo.json``), plus ``cli``: the
+    command's exit code and what it printed."""
+    import contextlib
+    import io
+    import json
 
-    return run_demo(engine_dir / "demo", model=qwen3_next_checkpoint, python=sys.executable,
-                    progress=lambda msg: None)
+    from gdn_pass.cli import main
+
+    workdir = engine_dir / "demo"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(["demo", "--workdir", str(workdir)])
+    result = json.loads((workdir / "demo.json").read_text())
+    result["cli"] = dict(exit_code=code, stdout=printed.getvalue())
+    return result
 
 
 @pytest.fixture(scope="session")

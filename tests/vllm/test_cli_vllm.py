@@ -40,8 +40,9 @@ def test_dump_tiny_qwen3_next(tmp_path, capsys):
     assert list((tmp_path / "pass_on").glob("*kernel*.py"))
 
 
-def test_demo_command(tmp_path, capsys):
-    assert main(["demo", "--workdir", str(tmp_path)]) == 0
-    out = capsys.readouterr().out
+def test_demo_command(demo):
+    """``gdn-pass demo``: the session's demonstration engines are this command's run (conftest)."""
+    assert demo["cli"]["exit_code"] == 0
+    out = demo["cli"]["stdout"]
     assert "RESULT: bug reproduced without the pass, fixed with it" in out
     assert "poisoned, pass off" in out and "DIVERGES" in out

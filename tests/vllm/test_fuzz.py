@@ -77,6 +77,9 @@ def test_fuzz_finds_the_bug_without_the_pass_and_nothing_with_it(engine_dir, che
     # the rows the pass fixed are exactly rows vLLM's split put fresh on a decode path (row_paths)
     fixed = set(off["mismatched_ids"]) - set(on["mismatched_ids"])
     assert fixed <= set(fresh_reads({"traces": [on["trace"]]})), fixed
+    # every step, the hook's count of rows to zero (host lengths) is the trace's (device lengths)
+    assert on["trace"]["hook_compared_steps"] > 0
+    assert on["trace"]["hook_disagreements"] == [], on["trace"]["hook_disagreements"][:2]
     if config == "preempt_prefix_hits":  # the paths this configuration exists for
         assert on["preemptions"] > 0 and on["resumed_after_preemption"] > 0
         assert on["resume_references"] > 0 and on["prefix_cache_hits"] > 0
