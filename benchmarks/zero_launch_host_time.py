@@ -12,7 +12,9 @@ torch op on the same machine. Three caches of ``[64, 16, 128, 128]`` float32
     zero_new_rows_all 1-D      the fresh rows found in vLLM-like device tensors
     zero_new_rows_all [rows,2] the same with two slot columns (MTP, 1 + k = 2)
     zero_rows_all              the staged rows' launch
-    raw kernel[grid](...)      Triton's own launcher, without gdn-pass's wrapper
+    kernel[grid](...)          the same kernel through Triton's binder on every launch
+                               (gdn-pass's launches go through it only the first time
+                               per layout, ``fast_launch``)
 
     python benchmarks/zero_launch_host_time.py
 """
@@ -57,10 +59,14 @@ def main() -> None:
     timed("zero_new_rows_all 1-D, 1 of 8 rows fresh", lambda: zero_new_rows_all(table, slots, qsl, seq, 8, 256))
     timed("zero_new_rows_all [rows, 2]", lambda: zero_new_rows_all(table, slots.view(32, 2), qsl, seq, 8, 512))
     timed("zero_rows_all (staged)", lambda: zero_rows_all(table, slot256, fresh))
-    kernel = zero_rows._new_rows_kernel
+    launcher = zero_rows._new_rows_kernel
     grid = (zero_rows._programs(dev),)
-    timed("raw kernel[grid](...)", lambda: kernel[grid](table.table, slots, 1, qsl, seq, 8, 3, 4, zero_rows._CHUNK_WORDS,
-                                                        ROWS=256, BLOCK=1024))
+    chunks = -(-table.max_slot_words // zero_rows._CHUNK_WORDS)
+    timed("Triton's kernel[grid](...) (every launch through Triton's binder)",
+          lambda: launcher.kernel[grid](table.table, slots, 1, 0, 1, qsl, seq, 8, 3, chunks, zero_rows._CHUNK_WORDS,
+                                        ROWS=256, BLOCK=1024))
+    print(f"zero_new_rows_all launches: {launcher.fast_launches} through the C launcher, "
+          f"{launcher.triton_launches} through Triton's binder")
 
 
 if __name__ == "__main__":

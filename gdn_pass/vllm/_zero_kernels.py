@@ -27,21 +27,25 @@ def zero_fresh_rows_kernel(cache_ptr, slot_ptr, fresh_ptr, slot_stride, slot_num
 
 
 @triton.jit
-def zero_chunks(table_ptr, slot_ptr, slot_stride, rows, flags, num_caches, chunks, chunk_words,
-                BLOCK: tl.constexpr):
-    """This program's share of every (fresh row, cache, chunk) work item; ``flags``: ``[ROWS]`` int32 0/1."""
+def zero_chunks(table_ptr, slot_ptr, slot_stride, column_stride, columns, rows, flags, num_caches, chunks,
+                chunk_words, BLOCK: tl.constexpr):
+    """This program's share of every (fresh row, slot column, cache, chunk) work item; ``flags``:
+    ``[ROWS]`` int32 0/1; a row's slot in column ``c`` at ``slot_ptr + row * slot_stride + c * column_stride``."""
     # rank[r] = how many fresh rows come up to and including r; the k-th fresh row is the
     # fresh row of rank k + 1.
     rank = tl.cumsum(flags, 0)
-    items_per_row = num_caches * chunks
+    items_per_column = num_caches * chunks
+    items_per_row = columns * items_per_column
     total = tl.sum(flags, 0) * items_per_row
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
         k = item // items_per_row
         rest = item - k * items_per_row
+        column = rest // items_per_column
+        rest = rest - column * items_per_column
         cache = rest // chunks
         chunk = rest - cache * chunks
         row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
-        slot = tl.load(slot_ptr + row * slot_stride).to(tl.int64)
+        slot = tl.load(slot_ptr + row * slot_stride + column * column_stride).to(tl.int64)
         numel = tl.load(table_ptr + cache * 3 + 2)
         start = chunk.to(tl.int64) * chunk_words
         if (slot >= 0) & (start < numel):  # -1: a padding sentinel; small caches have fewer chunks
@@ -61,14 +65,14 @@ def zero_fresh_rows_all_kernel(table_ptr, slot_ptr, fresh_ptr, num_rows, num_cac
     rows = tl.arange(0, ROWS)
     flags = tl.load(fresh_ptr + rows, mask=rows < num_rows, other=0)
     flags = (flags != 0).to(tl.int32)
-    zero_chunks(table_ptr, slot_ptr, 1, rows, flags, num_caches, chunks, chunk_words, BLOCK)
+    zero_chunks(table_ptr, slot_ptr, 1, 0, 1, rows, flags, num_caches, chunks, chunk_words, BLOCK)
 
 
-# Row counts and the slot stride vary from step to step: one compiled kernel for all of them.
-@triton.jit(do_not_specialize=["slot_stride", "num_rows"])
-def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, query_start_ptr, seq_lens_ptr, num_rows,
-                             num_caches, chunks, chunk_words, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid ``(programs,)``: ``zero_chunks`` for the rows that run tokens, all of them new."""
+# Row counts and the slot strides vary from step to step: one compiled kernel for all of them.
+@triton.jit(do_not_specialize=["slot_stride", "column_stride", "columns", "num_rows"])
+def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, column_stride, columns, query_start_ptr, seq_lens_ptr,
+                             num_rows, num_caches, chunks, chunk_words, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid ``(programs,)``: ``zero_chunks`` for the rows that run tokens, all of them new (every slot column)."""
     rows = tl.arange(0, ROWS)
     inside = rows < num_rows
     starts = tl.load(query_start_ptr + rows, mask=inside, other=0)
@@ -77,4 +81,5 @@ def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, query_start_ptr, 
     query_lens = ends - starts
     # A row whose tokens are all new this step: it has no state before them.
     flags = (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
-    zero_chunks(table_ptr, slot_ptr, slot_stride, rows, flags, num_caches, chunks, chunk_words, BLOCK)
+    zero_chunks(table_ptr, slot_ptr, slot_stride, column_stride, columns, rows, flags, num_caches, chunks,
+                chunk_words, BLOCK)

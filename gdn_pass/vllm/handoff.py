@@ -18,6 +18,7 @@ The metadata object is new for every step, so is its hand-off.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.compat import DecodeRows
@@ -52,9 +53,12 @@ class StepHandoff:
     ``zeroed_at_build``: the step guard owns the group and has zeroed its
     fresh slots at this build (or found none): the op guards do nothing.
 
-    ``zeroed_by_op``: the only field written after ``attach``: set by the
-    first op guard of the step that zeroed the whole ``table``, so that the
-    group's other guarded ops skip.
+    ``zeroed_by_op``: set by the first op guard of the step that zeroed the
+    whole ``table``, so that the group's other guarded ops skip.
+
+    ``find_decode``: on a step without new rows (``host_fresh == 0``), where
+    ``decode`` is left to be found by whoever launches anyway (a FULL CUDA
+    graph's capture): ``decode_rows()`` finds it once. None otherwise.
     """
 
     rows: StagedRowMetadata
@@ -63,6 +67,13 @@ class StepHandoff:
     decode: DecodeRows | None = None
     zeroed_at_build: bool = False
     zeroed_by_op: bool = False
+    find_decode: Callable[[], DecodeRows | None] | None = None
+
+    def decode_rows(self) -> DecodeRows | None:
+        """``decode``, found first where the hook left it to be found (``find_decode``)."""
+        if self.find_decode is not None:
+            self.decode, self.find_decode = self.find_decode(), None
+        return self.decode
 
 
 def attach(metadata, handoff: StepHandoff):

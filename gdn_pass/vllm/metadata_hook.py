@@ -43,6 +43,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import StepHandoff, attach
+from gdn_pass.vllm.rows import scheduler_rows as rows_of_step
 from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
@@ -159,6 +160,8 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     """Stage the step's rows to zero, and zero them here where the step guard owns the group."""
     common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = guard.rows
+    if rows is not None and guard.owner is not None and rows_of_step(common).num_new == 0:
+        return attach(metadata, _idle_step(guard, common, metadata))
     if rows is None:
         rows = guard.rows = _new_rows(builder, guard.context, guard.entry)
     step = guard.entry.rows(common, metadata, draft_counts)
@@ -168,12 +171,7 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
         owner = guard.owner = _decide_owner(guard)
     step_owned = owner is _STEP
     caches, table = _group_state(guard)
-    decode = None
-    device_rows = guard.entry.device_rows
-    if table is not None and device_rows is not None:
-        decode = device_rows(common, metadata)
-        if decode is not None and decode.num_rows > rows.max_rows:
-            decode = None
+    decode = _device_rows(guard, table, common, metadata)
     if decode is None:  # else the zeroing launch finds the new rows in vLLM's tensors
         if fresh:  # only what the guards read: the rows to zero and their slots
             step.stage_fresh(rows)
@@ -183,6 +181,34 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     if step_owned:
         step_guard.zero_group(caches, handoff)
     return attach(metadata, handoff)
+
+
+def _idle_step(guard: BuilderGuard, common, metadata) -> StepHandoff:
+    """The hand-off of a step without a new row (most steps of a serving engine): nothing to zero.
+
+    No row of any builder is read (``rows`` module invariant: a row to zero
+    is a new row), staged flags are cleared (once after a step that staged
+    some), and the guards launch nothing, except an op guard inside a FULL
+    CUDA graph's capture: it finds vLLM's decode rows then
+    (``StepHandoff.find_decode``). The group's table is checked here, since
+    it cannot be built inside capture.
+    """
+    rows = guard.rows
+    rows.stage_no_fresh(rows.num_rows)
+    _, table = _group_state(guard)
+    find_decode = None
+    if table is not None and guard.entry.device_rows is not None:
+        find_decode = functools.partial(_device_rows, guard, table, common, metadata)
+    return StepHandoff(rows, 0, table, None, guard.owner is _STEP, find_decode=find_decode)
+def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> compat.DecodeRows | None:
+    """The step's decode rows in vLLM's own tensors (CUDA, where the entry reads them and they fit)."""
+    device_rows = guard.entry.device_rows
+    if table is None or device_rows is None:
+        return None
+    decode = device_rows(common, metadata)
+    if decode is not None and decode.num_rows > guard.rows.max_rows:
+        return None
+    return decode
 
 
 def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args, kwargs) -> None:

@@ -71,7 +71,7 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     if handoff.host_fresh == 0 and not _capturing():
         return
-    rows, decode, table = handoff.rows, handoff.decode, handoff.table
+    rows, decode, table = handoff.rows, handoff.decode_rows(), handoff.table
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
         # One launch zeroes every GDN layer of this metadata's group; the
         # group's other layers find it done (the hand-off is per step).

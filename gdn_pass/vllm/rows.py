@@ -12,6 +12,10 @@ read as if it had history::
 ``LinearAttentionMetadata`` / ``BailingLinearAttentionMetadata`` (0.26-0.33).
 The registry (``builders``) says which builder uses which.
 
+Invariant (the metadata hook's idle steps rely on it): a builder's rows to
+zero are always among the step's new rows (``SchedulerRows.new``), so a step
+with no new row has none to zero in any builder.
+
 What depends on the scheduler alone (``SchedulerRows``: lengths, counts, the
 new rows) is computed once per step (``scheduler_rows``) and shared by the
 step's builders, one per KV-cache group (three for Qwen3-Next-80B's 36 GDN
@@ -94,17 +98,24 @@ class SchedulerRows:
 
     ``query_lens`` / ``computed``: ``[num_reqs]`` numpy integers; ``new``:
     ``[num_reqs]`` bool, a row with tokens and none computed before this step;
-    ``new_before``: ``[num_reqs + 1]``, how many of the first ``i`` rows are new.
-    ``key``: what the step is recognized by (``scheduler_rows``).
+    ``num_new``: how many (no builder has more rows to zero). ``key``: what
+    the step is recognized by (``scheduler_rows``).
     """
 
     query_lens: np.ndarray
     computed: np.ndarray
     new: np.ndarray
-    new_before: np.ndarray
+    num_new: int
     key: tuple
+    # [num_reqs + 1]: how many of the first i rows are new; made on the first ask (steps with new rows)
+    new_before: np.ndarray | None = None
 
     def new_among_first(self, rows: int) -> int:
+        if self.num_new == 0:
+            return 0
+        if self.new_before is None:
+            self.new_before = np.zeros(self.new.size + 1, dtype=np.int64)
+            np.cumsum(self.new, out=self.new_before[1:])
         return int(self.new_before[min(rows, self.new.size)])
 
 
@@ -145,10 +156,12 @@ def scheduler_rows(common) -> SchedulerRows:
     starts = starts_cpu.numpy()
     query_lens = starts[1 : num_reqs + 1] - starts[:num_reqs]
     computed = compat.num_computed_tokens(common, query_lens, lengths)
-    new = (computed == 0) & (query_lens > 0)
-    new_before = np.zeros(num_reqs + 1, dtype=np.int64)
-    np.cumsum(new, out=new_before[1:])
-    rows = SchedulerRows(query_lens, computed, new, new_before, ())
+    new = computed == 0
+    num_new = int(np.count_nonzero(new))
+    if num_new:  # a row without tokens is not new (vLLM schedules none; most steps have no new row)
+        new &= query_lens > 0
+        num_new = int(np.count_nonzero(new))
+    rows = SchedulerRows(query_lens, computed, new, num_new, ())
     tensor, field = lengths
     if tensor is not None:  # else the counts came from device tensors: not kept
         rows.key = (starts_cpu, starts_cpu._version, tensor, field, tensor._version, num_reqs)

@@ -114,8 +114,8 @@ def zero_group(layer_caches: list[torch.Tensor], handoff: StepHandoff) -> int:
 
     ``handoff.host_fresh`` is the scheduler's count of fresh rows, known on
     the host: with none, nothing is launched. On CUDA with a cache table
-    (``handoff.table``) it is one launch (per slot column of a speculative
-    row), which finds the fresh rows in vLLM's tensors where the hand-off
+    (``handoff.table``) it is one launch (every slot column of a speculative
+    row included), which finds the fresh rows in vLLM's tensors where the hand-off
     carries them (``handoff.decode``) and reads the staged rows otherwise;
     without a table, one per cache (CPU: ``index_fill_`` of the host-selected
     slots).
@@ -127,7 +127,7 @@ def zero_group(layer_caches: list[torch.Tensor], handoff: StepHandoff) -> int:
     if table is not None and decode is not None:  # nothing staged: vLLM's tensors say which rows
         zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens, decode.num_rows,
                           rows.max_rows)
-        launches = 1 if decode.slots.dim() == 1 else decode.slots.shape[1]
+        launches = 1
     elif table is not None:
         zero_rows_all(table, rows.state_slot, rows.fresh_rows())
         launches = 1

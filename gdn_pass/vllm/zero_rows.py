@@ -31,6 +31,8 @@ wave of programs that read ``fresh`` and exit.
 ``zero_new_rows_all`` is the same launch with ``fresh`` derived in the kernel
 from vLLM's own per-row lengths (a row whose tokens are all new), for steps
 whose rows read vLLM's ``non_spec_state_indices_tensor``: nothing to stage.
+Both launch through ``fast_launch``: after a kernel's first launch, its
+compiled kernel's C launcher alone.
 
 The kernels are in ``gdn_pass.vllm._zero_kernels``; it and Triton are imported
 on the first CUDA launch, so this module imports where Triton does not.
@@ -39,6 +41,8 @@ on the first CUDA launch, so this module imports where Triton does not.
 from __future__ import annotations
 
 import torch
+
+from gdn_pass.vllm.fast_launch import Launcher
 
 __all__ = ["zero_rows", "zero_rows_all", "zero_new_rows_all", "CacheTable"]
 
@@ -155,17 +159,21 @@ def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) ->
     """
     global _multi_kernel
     if _multi_kernel is None:
-        _multi_kernel = _kernels().zero_fresh_rows_all_kernel
+        _multi_kernel = Launcher(_kernels().zero_fresh_rows_all_kernel)
     rows = slot.numel()
     if fresh.numel() != rows:
         raise ValueError(f"fresh has {fresh.numel()} rows, slot {rows}")
     chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
-    _multi_kernel[(_programs(slot.device),)](
-        table.table, slot, fresh, rows, table.table.shape[0], chunks, _CHUNK_WORDS,
-        ROWS=max(16, 1 << (rows - 1).bit_length()), BLOCK=_BLOCK)
+    num_caches, block_rows = table.table.shape[0], max(16, 1 << (rows - 1).bit_length())
+    # Launcher key: what Triton specializes on (the dtypes, 16-byte alignment of the row tensors,
+    # every integer but the row count, the constexprs) and the device.
+    key = (slot.get_device(), slot.dtype, slot.data_ptr() % 16 == 0, fresh.dtype, fresh.data_ptr() % 16 == 0,
+           rows, num_caches, chunks, _CHUNK_WORDS, block_rows)
+    _multi_kernel((_programs(slot.device), 1, 1), key, table.table, slot, fresh, rows, num_caches, chunks,
+                  _CHUNK_WORDS, block_rows, _BLOCK)
 
 
-_multi_kernel = None  # _zero_kernels.zero_fresh_rows_all_kernel, once launched
+_multi_kernel = None  # fast_launch.Launcher of _zero_kernels.zero_fresh_rows_all_kernel, once launched
 # A work item zeroes this many 4-byte words of one slot: 64 KiB, so a 2 MiB
 # recurrent slot is 32 items spread over the GPU, and a small conv slot one.
 _CHUNK_WORDS = 16384
@@ -194,7 +202,7 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
         slot: ``[>= num_rows]`` or ``[>= num_rows, columns]`` integer, any
             strides (vLLM's ``non_spec_state_indices_tensor``, or a speculative
             builder's ``[rows, 1 + k]`` slots: every column of a fresh row is
-            zeroed, one launch per column).
+            zeroed, in the same launch).
         query_start_loc: ``[>= num_rows + 1]`` integer, contiguous.
         seq_lens: ``[>= num_rows]`` integer, contiguous.
         num_rows: the step's rows (an int on the host).
@@ -202,7 +210,8 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
             steps of any size share one compiled kernel.
 
     Tensors on the caches' device. Guarantees: as ``zero_rows_all`` for the
-    fresh rows above. Nothing is staged or copied: under FULL CUDA graphs the
+    fresh rows above, in one launch whose host cost is about a torch op's
+    (``fast_launch``). Nothing is staged or copied: under FULL CUDA graphs the
     captured launch reads vLLM's persistent buffers, which vLLM refreshes
     before each replay (padding rows run no tokens). ``ValueError`` when
     ``slot`` is not 1-D or 2-D, another tensor is not 1-D, or the rows do not
@@ -210,21 +219,25 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
     """
     global _new_rows_kernel
     if _new_rows_kernel is None:
-        _new_rows_kernel = _kernels().zero_new_rows_all_kernel
+        _new_rows_kernel = Launcher(_kernels().zero_new_rows_all_kernel)
     if (slot.dim() not in (1, 2) or (query_start_loc.dim(), seq_lens.dim()) != (1, 1) or not 0 <= num_rows <= min(
             max_rows, slot.shape[0], seq_lens.numel(), query_start_loc.numel() - 1)):
         raise ValueError(
             f"{num_rows} rows do not fit max_rows={max_rows} and slot {tuple(slot.shape)} (1-D or 2-D), "
             f"seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)} (1-D each)")
     chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
-    columns = [slot] if slot.dim() == 1 else [slot[:, c] for c in range(slot.shape[1])]
-    for column in columns:
-        _new_rows_kernel[(_programs(slot.device),)](
-            table.table, column, column.stride(0), query_start_loc, seq_lens, num_rows, table.table.shape[0],
-            chunks, _CHUNK_WORDS, ROWS=max(16, 1 << (max_rows - 1).bit_length()), BLOCK=_BLOCK)
+    columns, column_stride = (1, 0) if slot.dim() == 1 else (slot.shape[1], slot.stride(1))
+    num_caches, block_rows = table.table.shape[0], max(16, 1 << (max_rows - 1).bit_length())
+    # Launcher key: what Triton specializes on (the dtypes, 16-byte alignment of the row tensors,
+    # every integer but the strides and counts it is told not to, the constexprs) and the device.
+    key = (slot.get_device(), slot.dtype, slot.data_ptr() % 16 == 0, query_start_loc.dtype,
+           query_start_loc.data_ptr() % 16 == 0, seq_lens.dtype, seq_lens.data_ptr() % 16 == 0, num_caches, chunks,
+           _CHUNK_WORDS, block_rows)
+    _new_rows_kernel((_programs(slot.device), 1, 1), key, table.table, slot, slot.stride(0), column_stride, columns,
+                     query_start_loc, seq_lens, num_rows, num_caches, chunks, _CHUNK_WORDS, block_rows, _BLOCK)
 
 
-_new_rows_kernel = None  # _zero_kernels.zero_new_rows_all_kernel, once launched
+_new_rows_kernel = None  # fast_launch.Launcher of _zero_kernels.zero_new_rows_all_kernel, once launched
 
 
 def _kernels():

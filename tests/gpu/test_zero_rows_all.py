@@ -202,3 +202,46 @@ def test_captured_launch_finds_new_rows_in_vllms_persistent_buffers(graph_rows):
         graph.replay()
         torch.cuda.synchronize()
         assert_only_zeroed(layers, before, {s for s, f in zip(slots, new) if f}, step)
+
+
+def test_launches_after_the_first_go_through_the_c_launcher_and_zero_the_same_rows():
+    """``zero_new_rows_all`` eagerly, step after step, as the step guard launches it: slots of
+    int32 and int64, 1-D and ``[rows, 1 + k]`` (MTP: every column of a fresh row zeroed in
+    the one launch), a column of a wider block table (an address that is not 16-byte
+    aligned: another compiled kernel), row counts that change. After a layout's first
+    launch the launch skips Triton's binder (``fast_launch``); each step must zero exactly
+    the fresh rows' slots of every column and layer, as a naive reference says."""
+    from gdn_pass.vllm import zero_rows
+    from gdn_pass.vllm.zero_rows import zero_new_rows_all
+
+    layers = [layer_caches() for _ in range(LAYERS)]
+    table = CacheTable.build([t for conv, ssm, _ in layers for t in (conv, ssm)])
+    rng = random.Random(7)
+    layouts = [("1-D int32", torch.int32, 1, 1), ("1-D int64", torch.int64, 1, 1),
+               ("[rows, 2] int32", torch.int32, 2, 2), ("[rows, 3] of a 4-wide table", torch.int32, 3, 4),
+               ("column 1 of a 3-wide table", torch.int32, 1, 3)]
+    for step in range(40):
+        name, dtype, columns, width = layouts[step % len(layouts)]
+        n = rng.randint(1, MAX_ROWS)
+        picked = rng.sample(range(NUM_SLOTS), n * columns)
+        table_of_slots = torch.full((MAX_ROWS, width), -1, dtype=dtype)
+        first = 1 if name.startswith("column 1") else 0
+        for r in range(n):
+            table_of_slots[r, first:first + columns] = torch.tensor(picked[r * columns:(r + 1) * columns])
+        table_of_slots = table_of_slots.cuda()
+        slot = table_of_slots[:, first] if columns == 1 and width > 1 else (
+            table_of_slots[:, 0] if columns == 1 else table_of_slots[:, :columns])
+        new = [r < n and rng.random() < 0.4 for r in range(MAX_ROWS)]
+        seq_lens = torch.tensor([(1 if new[r] else rng.randint(2, 99)) if r < n else 0 for r in range(MAX_ROWS)],
+                                dtype=torch.int32, device="cuda")
+        starts = torch.tensor([min(r, n) for r in range(MAX_ROWS + 1)], dtype=torch.int32, device="cuda")
+        for conv, _, pool in layers:
+            conv.copy_(torch.randn_like(conv.float()).to(conv.dtype))
+            pool.copy_(torch.randn_like(pool))
+        before = [(conv.clone(), pool.clone()) for conv, _, pool in layers]
+        zero_new_rows_all(table, slot, starts, seq_lens, n, MAX_ROWS)
+        torch.cuda.synchronize()
+        zeroed = {picked[r * columns + c] for r in range(n) if new[r] for c in range(columns)}
+        assert_only_zeroed(layers, before, zeroed, f"{step} ({name})")
+    launcher = zero_rows._new_rows_kernel
+    assert launcher.fast_launches >= 40 - 2 * len(layouts), (launcher.fast_launches, launcher.triton_launches)

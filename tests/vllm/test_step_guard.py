@@ -159,6 +159,40 @@ def test_step_without_fresh_rows_launches_nothing(monkeypatch, guarded, zero_cal
     assert layers[LAYERS[0]].kv_cache[1].eq(6.0).all()
 
 
+def test_a_step_without_new_rows_reads_no_rows_and_a_capture_on_it_still_launches(
+        monkeypatch, guarded, zero_calls):
+    """Most steps have no new row: the hook then reads no row of its own (the entry's ``rows``
+    is not called) and hands over ``host_fresh == 0``, so the op guards launch nothing. A FULL
+    CUDA graph captured on such a step must still contain the launch, reading the same
+    tensors as on any other step (on the CUDA path vLLM's decode rows, found only then), and
+    the flags a previous step staged must be clear, or a replay would zero a live slot."""
+    import dataclasses
+
+    builder, layers = engine(monkeypatch, compiled=True)
+    warm_up(monkeypatch, layers, covered=LAYERS)
+    forward(monkeypatch, layers, builder.build(common_prefix_len=0, common_attn_metadata=bug_step()),
+            covered=LAYERS)
+    assert_only_fresh_slot_zeroed(layers)
+    for layer in layers.values():  # the next owners' state, live: nothing may zero it now
+        for cache in layer.kv_cache:
+            cache.fill_(6.0)
+    zero_calls.clear()
+    entry = metadata_hook.guard_of(builder).entry
+    monkeypatch.setitem(entry.__dict__, "rows", lambda *a: pytest.fail("rows read on a step without new rows"))
+    decodes = dataclasses.replace(common_metadata([9, 1, 30], [1, 1, 1]),
+                                  block_table_tensor=torch.tensor([[3], [4], [5]], dtype=torch.int32))
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=decodes)
+    assert handoff_of(metadata).host_fresh == 0 and not handoff_of(metadata).zeroed_at_build
+    forward(monkeypatch, layers, metadata, covered=LAYERS)
+    assert not zero_calls, "a launch on a step the host knows has no fresh row"
+    monkeypatch.setattr(op_guard, "_capturing", lambda: True)
+    forward(monkeypatch, layers, metadata, covered=LAYERS)
+    assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "the capture has no launch"
+    for layer in layers.values():
+        for cache in layer.kv_cache:
+            assert cache.eq(6.0).all(), "a live slot zeroed"
+
+
 def test_owner_is_fixed_at_the_first_build(monkeypatch, guarded, zero_calls):
     """A CUDA graph captured under one owner is replayed under it: no later switch."""
     builder, layers = engine(monkeypatch, compiled=True)
@@ -182,4 +216,4 @@ def test_decide_owner():
 
 @pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
 def test_every_case_again_on_the_cuda_zeroing_path():
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=6)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=7)
