@@ -25,7 +25,8 @@ or a multiple of 16 (or the value itself), every constexpr; and the device.
 A key that says more than Triton reads only compiles a kernel more often.
 
 Where the launch cannot go this way, it goes Triton's: a launch enter/exit
-hook is set (profilers such as Proton read its metadata), the kernel is not
+hook is registered (profilers such as Proton read its metadata; with none
+registered, Triton's own launch passes empty hook chains that call nothing), the kernel is not
 a ``JITFunction`` (``TRITON_INTERPRET=1``), or this Triton's compiled kernel
 lacks the launcher attributes (checked once, on the first launch; Triton
 3.6, the H200's, and 3.9 have them). Triton is imported on the first launch.
@@ -89,7 +90,13 @@ _knobs = None  # triton.knobs.runtime, once a kernel was launched
 
 
 def _no_launch_hooks() -> bool:
-    return _knobs.launch_enter_hook is None and _knobs.launch_exit_hook is None
+    """No launch hook would run: Triton 3.6+ keeps them as chains (``HookChain``) that are never
+    None, and an empty chain calls nothing; older Tritons hold None or a callable."""
+    return _idle(_knobs.launch_enter_hook) and _idle(_knobs.launch_exit_hook)
+
+
+def _idle(hook) -> bool:
+    return hook is None or getattr(hook, "calls", None) == []
 
 
 def _current_stream():  # replaced by Triton's driver call on the first launch
