@@ -43,16 +43,23 @@ def platform() -> str:
 
 
 def record(family: str, mode: str, **evidence) -> None:
+    """Set one cell. Test processes running side by side (pytest-xdist) record into one file:
+    each read-modify-write holds an exclusive lock on ``FILE.lock``."""
+    import fcntl
+
     path = _path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(path.read_text()) if path.exists() else {}
-    cells = data.setdefault(family, {}).setdefault(mode, {})
-    if "status" in cells:  # a file from before the platform column: one cell, no platform
-        cells.clear()
-    cells[platform()] = evidence
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)
+    cell = platform()
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        data = json.loads(path.read_text()) if path.exists() else {}
+        cells = data.setdefault(family, {}).setdefault(mode, {})
+        if "status" in cells:  # a file from before the platform column: one cell, no platform
+            cells.clear()
+        cells[cell] = evidence
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        tmp.replace(path)
 
 
 def _cell(evidence: dict) -> tuple[str, str | None]:

@@ -56,23 +56,31 @@ def llama_checkpoint(engine_dir) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo(engine_dir) -> dict:
-    """The README demonstration's three engines, run once per session through the command line
+def demo(engine_dir, tmp_path_factory) -> dict:
+    """The README demonstration's three engines, run once per test run through the command line
     (``gdn-pass demo``, on its own tiny Qwen3-Next: the same seeded checkpoint as
     ``qwen3_next_checkpoint``): ``run_demo``'s result (``demo.json``), plus ``cli``: the
-    command's exit code and what it printed."""
+    command's exit code and what it printed. Test processes running side by side
+    (pytest-xdist) share one run: the first to ask runs it under a file lock, the others
+    read what it wrote."""
     import contextlib
     import io
     import json
 
+    from filelock import FileLock
+
     from gdn_pass.cli import main
 
-    workdir = engine_dir / "demo"
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        code = main(["demo", "--workdir", str(workdir)])
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else engine_dir
+    workdir = shared / "demo"
+    with FileLock(str(shared / "demo.lock")):
+        if not (workdir / "cli.json").exists():
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                code = main(["demo", "--workdir", str(workdir)])
+            (workdir / "cli.json").write_text(json.dumps(dict(exit_code=code, stdout=printed.getvalue())))
     result = json.loads((workdir / "demo.json").read_text())
-    result["cli"] = dict(exit_code=code, stdout=printed.getvalue())
+    result["cli"] = json.loads((workdir / "cli.json").read_text())
     return result
 
 
