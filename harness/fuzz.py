@@ -68,7 +68,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch, fresh_reads,
-                                largest_shift, one_token_paths, perturbed_by_pass, resume_points, resumed_drift)
+                                fresh_reads_other_builders, largest_shift, one_token_paths, perturbed_by_pass,
+                                resume_points, resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
            "HARNESS_FIX"]
@@ -568,9 +569,15 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         # gives it); else against pass off, every request the guard did not act on.
         baseline = HARNESS_FIX if HARNESS_FIX in guards else "off"
         base_run = ran[f"stream_{config}_s{seed}_{baseline}"]["results"]
-        acted = set(fresh_reads(ran[f"stream_{config}_s{seed}_{pass_on}"]))
+        on_trace = ran[f"stream_{config}_s{seed}_{pass_on}"]
+        acted = set(fresh_reads(on_trace))
         summary["acted_on"] = sorted(acted, key=lambda rid: int(rid[1:]))
-        acted_on = set() if baseline == HARNESS_FIX else acted
+        # A request the guard acted on through another builder only (an MTP drafter's: the
+        # trace's step figures follow one builder) is acted on too: it is left out of the
+        # footprint, not of the rules on acted-on requests above.
+        acted_elsewhere = set(fresh_reads_other_builders(on_trace)) - acted
+        summary["acted_on_by_other_builders_only"] = sorted(acted_elsewhere, key=lambda rid: int(rid[1:]))
+        acted_on = set() if baseline == HARNESS_FIX else acted | acted_elsewhere
         perturbed = perturbed_by_pass(base_run, on_run, acted_on)
         summary["footprint_baseline"] = baseline
         summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))

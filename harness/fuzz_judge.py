@@ -31,8 +31,8 @@ class FuzzRequest(Protocol):
     max_tokens: int | None
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
-           "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads", "logprob_drift",
-           "perturbed_by_pass", "largest_shift", "first_token_mismatch"]
+           "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads",
+           "fresh_reads_other_builders", "logprob_drift", "perturbed_by_pass", "largest_shift", "first_token_mismatch"]
 
 NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
 # Matching tokens whose logprobs differ by more than this are a mismatch. The
@@ -96,6 +96,11 @@ def one_token_paths(run: dict) -> dict[str, str]:
 def fresh_reads(run: dict) -> dict[str, str]:
     """Requests the builder ran fresh on a path that reads their slot -> "decode" | "spec"."""
     return _per_request(run, "fresh_reads")
+
+
+def fresh_reads_other_builders(run: dict) -> dict[str, str]:
+    """The same from the step's other builders (other KV-cache groups, an MTP drafter's)."""
+    return _per_request(run, "fresh_reads_other_builders")
 
 
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:

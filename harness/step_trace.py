@@ -43,7 +43,7 @@ import functools
 import os
 from collections import Counter
 
-__all__ = ["StepTrace", "row_kinds", "row_paths", "metadata_row_paths", "fill_caches"]
+__all__ = ["StepTrace", "row_kinds", "row_paths", "metadata_row_paths", "fill_caches", "slot_reading_fresh_rows"]
 
 _ACTIVE: dict = {}
 
@@ -115,6 +115,14 @@ def row_kinds(query_lens, num_computed_tokens, paths: list[str]) -> Counter:
     return kinds
 
 
+def slot_reading_fresh_rows(ids: list, num_computed_tokens: list[int], query_lens: list[int],
+                            paths: list[str]) -> dict[str, str]:
+    """The requests of a step's rows that are fresh (nothing computed, tokens to run) on a path
+    whose kernels read their slot (not ``"prefill"``): the rows a guard acts on -> their path."""
+    return {rid: path for rid, c, q, path in zip(ids, num_computed_tokens, query_lens, paths)
+            if c == 0 and q > 0 and path != "prefill"}
+
+
 def compare_with_hook(state: dict, m, md, ids: list, qlens, computed, trace_fresh: int) -> None:
     """Compare the plugin hook's count of rows to zero with this trace's count of fresh rows.
 
@@ -180,6 +188,7 @@ class StepTrace:
         state["detail"] = detail
         state["one_token_paths"] = {}
         state["fresh_reads"] = {}
+        state["fresh_reads_other_builders"] = {}
         state["hook_compared"] = 0
         state["hook_disagreements"] = []
         state["runner"] = getattr(self, "model_runner", None)
@@ -208,13 +217,18 @@ class StepTrace:
         def record(builder, original_build, args, kwargs, md) -> None:
             if state["builder"] is None:
                 state["builder"] = id(builder)
-            if id(builder) != state["builder"]:
-                return
             m, _ = compat.step_inputs(original_build, builder, args, kwargs)
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
-            slots = _state_slots(md)
             paths = metadata_row_paths(md, m.num_reqs)
+            if id(builder) != state["builder"]:
+                # Another builder: another KV-cache group of the model (the same rows) or an MTP
+                # drafter's (rows of its own). A guard acts on its fresh rows too.
+                ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
+                state["fresh_reads_other_builders"].update(
+                    slot_reading_fresh_rows(ids, computed.tolist(), qlens.tolist(), paths))
+                return
+            slots = _state_slots(md)
             state["steps"].append(dict(
                 rows=row_kinds(qlens.tolist(), computed.tolist(), paths),
                 real_rows=int((qlens > 0).sum()),
@@ -226,11 +240,10 @@ class StepTrace:
             # ``one_token_paths`` says whether the step had prefills (the kernels, hence the
             # numerics, of the fuzz's reference); ``fresh_reads`` which fresh rows the
             # builder put on a path that reads their slot (the rows a guard acts on).
-            for rid, c, q, path in zip(ids, computed.tolist(), qlens.tolist(), paths):
+            for rid, c, q in zip(ids, computed.tolist(), qlens.tolist()):
                 if c == 0 and q == 1:
                     state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
-                if c == 0 and q > 0 and path != "prefill":
-                    state["fresh_reads"][rid] = path
+            state["fresh_reads"].update(slot_reading_fresh_rows(ids, computed.tolist(), qlens.tolist(), paths))
             compare_with_hook(state, m, md, ids, qlens, computed, state["steps"][-1]["rows"]["fresh_decode"])
             if state["detail"]:
                 all_slots = [] if slots is None else slots.tolist()
@@ -299,6 +312,8 @@ class StepTrace:
                     fresh_decode_in_padded_full_graph=fresh_in_padded_full,
                     one_token_paths=dict(state.get("one_token_paths", {})),
                     fresh_reads=dict(state.get("fresh_reads", {})),
+                    # the same from the step's other builders (other groups, an MTP drafter's)
+                    fresh_reads_other_builders=dict(state.get("fresh_reads_other_builders", {})),
                     # the plugin hook's count of rows to zero against this trace's, per step
                     hook_compared_steps=state.get("hook_compared", 0),
                     hook_disagreements=list(state.get("hook_disagreements", [])),

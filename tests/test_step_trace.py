@@ -5,7 +5,7 @@ the other rows split by ``split_decodes_and_prefills(m, decode_threshold=1)``,
 which counts the leading rows of at most one token as decodes.
 """
 
-from harness.step_trace import row_kinds, row_paths
+from harness.step_trace import row_kinds, row_paths, slot_reading_fresh_rows
 
 
 def test_fresh_one_token_row_in_a_step_without_prefill_is_the_trigger():
@@ -28,6 +28,17 @@ def test_fresh_row_past_the_split_is_a_fresh_prefill():
     kinds = row_kinds(query_lens=[1, 8, 1], num_computed_tokens=[12, 16, 0], paths=paths)
     assert kinds["fresh_prefill"] == 1 and kinds["fresh_decode"] == 0
     assert kinds["continuation"] == 1 and kinds["decode"] == 1
+
+
+def test_the_rows_a_guard_acts_on_are_fresh_rows_on_a_slot_reading_path():
+    """Per request: nothing computed and tokens to run, on a decode or speculative path (a prefill
+    starts from zero itself; padding runs no token). The trace keeps these for every builder of a
+    step, an MTP drafter's included."""
+    ids = ["q1", "q2", "q3", "q4", "q5", "pad"]
+    paths = ["decode", "spec", "decode", "prefill", "prefill", "decode"]
+    found = slot_reading_fresh_rows(ids, num_computed_tokens=[0, 0, 7, 0, 9, 0], query_lens=[1, 2, 1, 1, 8, 0],
+                                    paths=paths)
+    assert found == {"q1": "decode", "q2": "spec"}
 
 
 def test_speculative_rows_by_mask_and_padding_not_counted():
