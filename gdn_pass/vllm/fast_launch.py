@@ -26,10 +26,11 @@ A key that says more than Triton reads only compiles a kernel more often.
 
 Where the launch cannot go this way, it goes Triton's: a launch enter/exit
 hook is registered (profilers such as Proton read its metadata; with none
-registered, Triton's own launch passes empty hook chains that call nothing), the kernel is not
-a ``JITFunction`` (``TRITON_INTERPRET=1``), or this Triton's compiled kernel
-lacks the launcher attributes (checked once, on the first launch; Triton
-3.6, the H200's, and 3.9 have them). Triton is imported on the first launch.
+registered, Triton's own launch passes empty hook chains that call nothing),
+the kernel is not a ``JITFunction`` (``TRITON_INTERPRET=1``), or this
+Triton's compiled kernel lacks the launcher attributes (checked once, on the
+first launch; Triton 3.6, the H200's, and 3.9 have them). Triton is imported
+on the first launch.
 """
 
 from __future__ import annotations

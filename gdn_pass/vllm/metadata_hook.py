@@ -200,6 +200,8 @@ def _idle_step(guard: BuilderGuard, common, metadata) -> StepHandoff:
     if table is not None and guard.entry.device_rows is not None:
         find_decode = functools.partial(_device_rows, guard, table, common, metadata)
     return StepHandoff(rows, 0, table, None, guard.owner is _STEP, find_decode=find_decode)
+
+
 def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> compat.DecodeRows | None:
     """The step's decode rows in vLLM's own tensors (CUDA, where the entry reads them and they fit)."""
     device_rows = guard.entry.device_rows

@@ -124,13 +124,12 @@ def zero_group(layer_caches: list[torch.Tensor], handoff: StepHandoff) -> int:
         return 0
     rows, table, decode = handoff.rows, handoff.table, handoff.decode
     _ACTIVITY["steps_zeroed"] += 1
+    launches = 1
     if table is not None and decode is not None:  # nothing staged: vLLM's tensors say which rows
         zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens, decode.num_rows,
                           rows.max_rows)
-        launches = 1
     elif table is not None:
         zero_rows_all(table, rows.state_slot, rows.fresh_rows())
-        launches = 1
     else:
         fresh = rows.fresh_rows()
         for cache in layer_caches:

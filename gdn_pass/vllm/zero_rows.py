@@ -165,10 +165,10 @@ def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) ->
         raise ValueError(f"fresh has {fresh.numel()} rows, slot {rows}")
     chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
     num_caches, block_rows = table.table.shape[0], max(16, 1 << (rows - 1).bit_length())
-    # Launcher key: what Triton specializes on (the dtypes, 16-byte alignment of the row tensors,
-    # every integer but the row count, the constexprs) and the device.
-    key = (slot.get_device(), slot.dtype, slot.data_ptr() % 16 == 0, fresh.dtype, fresh.data_ptr() % 16 == 0,
-           rows, num_caches, chunks, _CHUNK_WORDS, block_rows)
+    # Launcher key: what Triton specializes on (the tensors' layout, every integer, the
+    # constexprs) and the device.
+    key = (slot.get_device(), *_layout(table.table, slot, fresh), rows, num_caches, chunks, _CHUNK_WORDS,
+           block_rows)
     _multi_kernel((_programs(slot.device), 1, 1), key, table.table, slot, fresh, rows, num_caches, chunks,
                   _CHUNK_WORDS, block_rows, _BLOCK)
 
@@ -228,16 +228,20 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
     chunks = max(1, -(-table.max_slot_words // _CHUNK_WORDS))
     columns, column_stride = (1, 0) if slot.dim() == 1 else (slot.shape[1], slot.stride(1))
     num_caches, block_rows = table.table.shape[0], max(16, 1 << (max_rows - 1).bit_length())
-    # Launcher key: what Triton specializes on (the dtypes, 16-byte alignment of the row tensors,
-    # every integer but the strides and counts it is told not to, the constexprs) and the device.
-    key = (slot.get_device(), slot.dtype, slot.data_ptr() % 16 == 0, query_start_loc.dtype,
-           query_start_loc.data_ptr() % 16 == 0, seq_lens.dtype, seq_lens.data_ptr() % 16 == 0, num_caches, chunks,
+    # Launcher key: what Triton specializes on (the tensors' layout, every integer but the
+    # strides and counts it is told not to, the constexprs) and the device.
+    key = (slot.get_device(), *_layout(table.table, slot, query_start_loc, seq_lens), num_caches, chunks,
            _CHUNK_WORDS, block_rows)
     _new_rows_kernel((_programs(slot.device), 1, 1), key, table.table, slot, slot.stride(0), column_stride, columns,
                      query_start_loc, seq_lens, num_rows, num_caches, chunks, _CHUNK_WORDS, block_rows, _BLOCK)
 
 
 _new_rows_kernel = None  # fast_launch.Launcher of _zero_kernels.zero_new_rows_all_kernel, once launched
+
+
+def _layout(*tensors: torch.Tensor) -> tuple:
+    """What Triton specializes a tensor argument on: its dtype and whether its address is 16-byte aligned."""
+    return tuple(x for t in tensors for x in (t.dtype, t.data_ptr() % 16 == 0))
 
 
 def _kernels():
