@@ -42,7 +42,7 @@ import torch
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
-from gdn_pass.vllm.handoff import StepHandoff, attach
+from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
 from gdn_pass.vllm.rows import scheduler_rows as rows_of_step
 from gdn_pass.vllm.zero_rows import CacheTable
 
@@ -75,6 +75,9 @@ class BuilderGuard:
     rows: StagedRowMetadata | None = None
     owner: step_guard.Owner | None = None
     group: tuple | None = None
+    # Set at the first build, once ``rows`` and ``owner`` are: later steps without a new
+    # row take ``_idle_step`` (the common case, kept to a few attribute reads).
+    settled: bool = False
 
 
 def guard_of(builder) -> BuilderGuard | None:
@@ -158,10 +161,14 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
 
 def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwargs: dict, metadata):
     """Stage the step's rows to zero, and zero them here where the step guard owns the group."""
+    common = kwargs.get("common_attn_metadata")  # vLLM 0.26's runner: by keyword
+    if common is None:
+        common, _ = compat.step_inputs(original_build, builder, args, kwargs)
+    if guard.settled and rows_of_step(common).num_new == 0:
+        setattr(metadata, ATTR, _idle_step(guard, common, metadata))
+        return metadata
     common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = guard.rows
-    if rows is not None and guard.owner is not None and rows_of_step(common).num_new == 0:
-        return attach(metadata, _idle_step(guard, common, metadata))
     if rows is None:
         rows = guard.rows = _new_rows(builder, guard.context, guard.entry)
     step = guard.entry.rows(common, metadata, draft_counts)
@@ -169,6 +176,7 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     owner = guard.owner
     if owner is None:
         owner = guard.owner = _decide_owner(guard)
+        guard.settled = True
     step_owned = owner is _STEP
     caches, table = _group_state(guard)
     decode = _device_rows(guard, table, common, metadata)
@@ -195,11 +203,11 @@ def _idle_step(guard: BuilderGuard, common, metadata) -> StepHandoff:
     """
     rows = guard.rows
     rows.stage_no_fresh(rows.num_rows)
-    _, table = _group_state(guard)
-    find_decode = None
-    if table is not None and guard.entry.device_rows is not None:
-        find_decode = functools.partial(_device_rows, guard, table, common, metadata)
-    return StepHandoff(rows, 0, table, None, guard.owner is _STEP, find_decode=find_decode)
+    table = _group_state(guard)[1]
+    if table is None or guard.entry.device_rows is None:
+        return StepHandoff(rows, 0, table, None, guard.owner is _STEP)
+    return StepHandoff(rows, 0, table, None, guard.owner is _STEP,
+                       find_decode=functools.partial(_device_rows, guard, table, common, metadata))
 
 
 def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> compat.DecodeRows | None:
@@ -291,17 +299,17 @@ def _group_state(guard: BuilderGuard) -> tuple[list[torch.Tensor], CacheTable | 
     one identity check per build covers the group (12 layers in Qwen3-Next-80B's
     groups). The table is built here, outside CUDA-graph capture.
     """
+    kept = guard.group
+    if kept is not None:  # (first layer's kv_cache, caches, table, forward context, first layer's name)
+        if getattr(kept[3].get(kept[4]), "kv_cache", None) is kept[0]:
+            return kept[1], kept[2]
     context = guard.context
     forward_context = context.vllm_config.compilation_config.static_forward_context
-    first = getattr(forward_context.get(context.layer_names[0]), "kv_cache", None)
-    kept = guard.group
-    if kept is not None and kept[0] is first:
-        return kept[1], kept[2]
     bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
     caches = [t for kv_cache in bound for t in (kv_cache or ())
               if isinstance(t, torch.Tensor) and t.numel()]
     table = _cache_table(caches, context.device)
-    guard.group = (first, caches, table)
+    guard.group = (bound[0], caches, table, forward_context, context.layer_names[0])
     return caches, table
 
 
