@@ -72,13 +72,17 @@ from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_
                                 resume_points, resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
-           "HARNESS_FIX"]
+           "HARNESS_FIX", "CLEAN_OFF"]
 
 TOP_LOGPROBS = 5  # the reference's top tokens, to tell a near tie from a real difference
 TRACE_EXTENSION = "harness.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
 _COMPANION = list(range(100, 108))  # one 8-token chunk
 HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harness (step_trace)
+# Pass off on an engine whose caches the harness zeroed after start-up: what the warm-up left
+# in never-owned slots gone (the pass zeroes such slots while vLLM warms up, fresh-looking
+# dummy rows; seen on the GPU to change the very first request of a Bailing MTP stream).
+CLEAN_OFF = "off+zeroed_at_start"
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
@@ -340,15 +344,18 @@ def run_stream(llm, stream: list[FuzzRequest], trace_detail: bool = False) -> di
 def _engine_main(args) -> None:
     from gdn_pass.vllm.scenarios import make_llm
 
+    from harness import step_trace
+
     spec = json.loads(Path(args.spec).read_text())
     if spec.get("mutation"):
-        from harness import step_trace
 
         os.environ[step_trace.MUTATION_ENV] = spec["mutation"]  # worker processes inherit it
         step_trace.apply_mutation(spec["mutation"])  # a worker in this process
     llm = make_llm(spec["model"], guard=spec["guard"], report_dir=spec.get("report_dir"),
                    worker_extension_cls=TRACE_EXTENSION,
                    **{**engine_settings(spec["config"]), **spec.get("engine_args", {})})
+    if spec.get("mutation") == step_trace.ZEROED_AT_START:
+        _zero_all_caches(llm)  # what the engine's warm-up left in its caches, gone
     start = time.time()
     if spec["role"] == "reference":
         out = dict(results=run_reference(llm, spec["prompts"]))
@@ -427,8 +434,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     footprint of the pass (``summary["baseline_repeat"]``); ``pass_on``: which
     pass-on stream of ``guards`` is compared with the pass-off one. With
     ``HARNESS_FIX`` among ``guards``, the pass's footprint is judged against
-    that stream (every request, bit for bit) rather than against pass off
-    (the requests the guard did not act on).
+    that stream (every request, bit for bit); else against ``CLEAN_OFF`` where
+    it ran, or pass off: the requests the guard did not act on and that the
+    baseline itself did not run fresh on a slot-reading path (the bug hit
+    those there; where the fix changes the schedule, as MTP's acceptance
+    does, the pass-on stream may run them on another path).
     """
     workdir.mkdir(parents=True, exist_ok=True)
     settings = engine_settings(config)
@@ -552,6 +562,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             rejected=sum("rejected" in v for v in results.values()),
             aborted=sum(bool(v.get("aborted")) for v in results.values()),
             mismatches_of_preempted=len(preempted_mismatches),
+            mismatched_preempted_ids=sorted(preempted_mismatches),
             trace=_row_kind_totals(run.get("traces", [])),
             mismatched_ids=sorted(outcome["mismatch"]), near_tie_ids=sorted(outcome["near_tie"]))
     if {"off", pass_on} <= set(guards):
@@ -567,8 +578,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         # The pass's footprint, bit for bit. Against the harness's own fix where that ran
         # (HARNESS_FIX: every request, fixed ones included, as a fix without gdn-pass
         # gives it); else against pass off, every request the guard did not act on.
-        baseline = HARNESS_FIX if HARNESS_FIX in guards else "off"
-        base_run = ran[f"stream_{config}_s{seed}_{baseline}"]["results"]
+        baseline = next(g for g in (HARNESS_FIX, CLEAN_OFF, "off") if g in guards)
+        base_trace = ran[f"stream_{config}_s{seed}_{baseline}"]
+        base_run = base_trace["results"]
         on_trace = ran[f"stream_{config}_s{seed}_{pass_on}"]
         acted = set(fresh_reads(on_trace))
         summary["acted_on"] = sorted(acted, key=lambda rid: int(rid[1:]))
@@ -577,7 +589,12 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         # footprint, not of the rules on acted-on requests above.
         acted_elsewhere = set(fresh_reads_other_builders(on_trace)) - acted
         summary["acted_on_by_other_builders_only"] = sorted(acted_elsewhere, key=lambda rid: int(rid[1:]))
-        acted_on = set() if baseline == HARNESS_FIX else acted | acted_elsewhere
+        # A request the baseline ran fresh on a slot-reading path: the bug hit it there, so its
+        # baseline output is not the yardstick; it is judged by its isolated run (above).
+        stale_in_baseline = (set(fresh_reads(base_trace)) | set(fresh_reads_other_builders(base_trace))) - acted
+        summary["stale_in_baseline"] = (
+            [] if baseline == HARNESS_FIX else sorted(stale_in_baseline, key=lambda rid: int(rid[1:])))
+        acted_on = set() if baseline == HARNESS_FIX else acted | acted_elsewhere | stale_in_baseline
         perturbed = perturbed_by_pass(base_run, on_run, acted_on)
         summary["footprint_baseline"] = baseline
         summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))

@@ -219,9 +219,11 @@ def footprint_problem(summary: dict) -> str | None:
     The pass-on stream must equal the footprint baseline bit for bit. The
     baseline is the harness's own fix where it ran (every request: with the
     fresh slots zeroed either way, every row computes the same, whatever the
-    host's numerics do with a batch), else pass off (the requests the guard did
-    not act on; on hosts whose numerics depend on the other rows of a batch, the
-    fixed rows' new tokens move them too). Where the pass moved a request, the
+    host's numerics do with a batch), else pass off, on an engine whose caches
+    were zeroed after start-up where that ran (``fuzz.CLEAN_OFF``): the requests
+    the guard did not act on and the baseline did not run fresh on a slot-reading
+    path (on hosts whose numerics depend on the other rows of a batch, the fixed
+    rows' new tokens move them too). Where the pass moved a request, the
     fuzz ran the baseline once more (``repeat_baseline_if_perturbed``): if that
     run is bit-identical to the first, the move is the pass's doing and this
     fails; if the host moved requests between two runs of one engine

@@ -35,6 +35,9 @@ every worker that loads this extension, for diagnostic runs (or, for
     nudge_live_rows         (CPU) each zeroing also scales the live rows' state by
                             1 + 2**-6: a footprint outside the rows the guard acts
                             on, which the fuzz's footprint check must catch
+    zeroed_at_start         no change to the guard: the harness zeroes every cache
+                            once the engine has started, before the stream (what
+                            the engine's warm-up left in never-used slots changes)
 """
 
 from __future__ import annotations
@@ -84,6 +87,16 @@ def metadata_row_paths(md, num_reqs: int) -> list[str]:
     decode = "spec" if slots_d is not None and slots_d.dim() == 2 else "decode"
     decodes = min(int(md.num_decodes), num_reqs)
     return [decode] * decodes + ["prefill"] * (num_reqs - decodes)
+
+
+def _spec_detail(md) -> dict:
+    """A speculative step's per-row slot columns and accepted counts (Lightning's fields), if any."""
+    out = {}
+    for field, name in (("state_indices_tensor_d", "slots_d"), ("num_accepted_tokens", "num_accepted")):
+        value = getattr(md, field, None)
+        if hasattr(value, "tolist"):
+            out[name] = value.tolist()
+    return out
 
 
 def _state_slots(md):
@@ -250,7 +263,7 @@ class StepTrace:
                 state["steps"][-1]["detail"] = dict(
                     req_ids=ids[: m.num_reqs], query_lens=qlens.tolist(), computed=computed.tolist(),
                     slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills,
-                    dispatch=state["dispatch"])
+                    dispatch=state["dispatch"], **_spec_detail(md))
             state["dispatch"] = None
 
         # Every registered builder this vLLM has (a subclass with an entry of its own
@@ -441,7 +454,9 @@ def _harness_zeroing() -> None:
 
 
 _MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes,
-              "nudge_live_rows": _nudge_live_rows, "harness_zeroing": _harness_zeroing}
+              "nudge_live_rows": _nudge_live_rows, "harness_zeroing": _harness_zeroing,
+              "zeroed_at_start": lambda: None}  # done by the driver (harness.fuzz), not in the worker
+ZEROED_AT_START = "zeroed_at_start"
 
 
 def apply_mutation(name: str | None) -> None:

@@ -146,3 +146,83 @@ def test_on_a_host_that_does_not_repeat_itself_moves_are_judged_by_drift_tol(shi
     summary = footprint({"q3": 0}, shift, repeat=({"q7": 2}, 0.02))
     assert (footprint_problem(summary) is None) is ok
     assert "does not reproduce" in host_noise(summary)
+
+
+# --------------------------------------------------------------- the footprint's baseline
+# ``fuzz.fuzz`` over recorded engine outputs (``_run_engines`` replaced: no engine runs):
+# which stream is the footprint's baseline, and which requests it leaves out.
+
+def _stream_outputs(stream, reference, changed=None, fresh=None):
+    """A stream engine's output: every request as its reference gives it (``changed``: rid ->
+    a logprob shift at position 0), and a trace naming ``fresh`` rid -> path."""
+    results = {}
+    for r in stream:
+        ref = reference[json.dumps(list(r.prompt))]
+        lps = list(ref["logprobs"])
+        lps[0] += (changed or {}).get(r.rid, 0.0)
+        results[r.rid] = dict(ref, logprobs=lps, cached_tokens=0, finished=True)
+    trace = dict(steps=1, rows={}, fresh_decode_steps=1,
+                 fresh_reads={f"{rid}-0000abcd": path for rid, path in (fresh or {}).items()})
+    return dict(results=results, steps=1, preemptions=0, preempted_requests=0, preempted_ids=[],
+                preempted_at={}, prefix_cache_hits=0, traces=[trace], fresh_decode_steps=1, run_s=0.0)
+
+
+def _judge(tmp_path, monkeypatch, guards, streams):
+    """``fuzz.fuzz`` on 6 requests of seed 0, the engines' outputs given by ``streams(stream, ref)``."""
+    from harness import fuzz as fz
+
+    config = "prefix_caching"
+    stream = fz.make_stream(0, 6, max_model_len=fz.engine_settings(config)["max_model_len"],
+                            **fz.CONFIG_STREAM.get(config, {}))
+    reference = {}
+    for i, r in enumerate(stream):
+        n = r.max_tokens or 3
+        reference[json.dumps(list(r.prompt))] = dict(
+            result([11 + i + k for k in range(n)], [-1.0 - i / 10] * n), max_tokens=r.max_tokens)
+    (tmp_path / f"reference_{config}.json").write_text(json.dumps(reference))
+    outputs = streams(stream, reference)
+
+    def run_engines(jobs, workdir, python, parallel, engine_env):
+        return {name: outputs[name.split("_s0_", 1)[1]] for _spec, name in jobs}
+
+    monkeypatch.setattr(fz, "_run_engines", run_engines)
+    return stream, fz.fuzz(tmp_path / "model", tmp_path, seed=0, num_requests=6, config=config, guards=guards)
+
+
+def test_a_clean_pass_off_engine_is_the_baseline_where_it_ran(tmp_path, monkeypatch):
+    from harness import fuzz as fz
+
+    def streams(stream, ref):
+        first, fixed = stream[0].rid, stream[1].rid
+        # pass off: the first request moved by what the warm-up left in a slot; a
+        # clean pass-off engine and pass on agree on it
+        return {"off": _stream_outputs(stream, ref, changed={first: 0.05, fixed: 3.0}, fresh={fixed: "decode"}),
+                "on": _stream_outputs(stream, ref, fresh={fixed: "decode"}),
+                fz.CLEAN_OFF: _stream_outputs(stream, ref, changed={fixed: 3.0}, fresh={fixed: "decode"})}
+
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.CLEAN_OFF), streams)
+    assert s["footprint_baseline"] == fz.CLEAN_OFF
+    assert s["acted_on"] == [stream[1].rid]
+    assert s["perturbed_by_pass"] == {} and footprint_problem(s) is None
+    # against the warm pass-off engine the first request moved
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on"), streams)
+    assert s["footprint_baseline"] == "off" and s["perturbed_by_pass"] == {stream[0].rid: 0}
+
+
+@pytest.mark.parametrize("stale_in_baseline", [True, False])
+def test_a_request_the_baseline_read_stale_is_judged_by_its_isolated_run(tmp_path, monkeypatch, stale_in_baseline):
+    def streams(stream, ref):
+        moved = stream[2].rid
+        # the baseline ran `moved` fresh on a decode path (stale); pass on, on another
+        # schedule, ran it on the prefill path: its reference's output, no guard acting
+        return {"off": _stream_outputs(stream, ref, changed={moved: 2.0},
+                                       fresh={moved: "decode"} if stale_in_baseline else {}),
+                "on": _stream_outputs(stream, ref)}
+
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on"), streams)
+    moved = stream[2].rid
+    assert s["acted_on"] == [] and moved not in s["runs"]["on"]["mismatched_ids"]
+    if stale_in_baseline:
+        assert s["stale_in_baseline"] == [moved] and s["perturbed_by_pass"] == {}
+    else:  # a move the baseline does not explain is the pass's
+        assert s["stale_in_baseline"] == [] and s["perturbed_by_pass"] == {moved: 0}

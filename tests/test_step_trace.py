@@ -181,3 +181,17 @@ def test_mutations_reach_the_cuda_path_that_finds_fresh_rows_on_the_device(guard
 def test_unknown_mutation_is_refused_by_name():
     with pytest.raises(ValueError, match="known mutations are"):
         step_trace.apply_mutation("zero_everything")
+
+
+def test_a_speculative_steps_slot_columns_and_accepted_counts_are_kept_in_the_detail():
+    import types
+
+    import torch
+
+    from harness.step_trace import _spec_detail
+
+    md = types.SimpleNamespace(state_indices_tensor_d=torch.tensor([[1, 2], [4, 5]]),
+                               num_accepted_tokens=torch.tensor([1, 2]))
+    assert _spec_detail(md) == dict(slots_d=[[1, 2], [4, 5]], num_accepted=[1, 2])
+    # GDN's metadata and non-speculative Lightning steps have neither field
+    assert _spec_detail(types.SimpleNamespace(num_accepted_tokens=None)) == {}

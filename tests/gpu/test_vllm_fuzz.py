@@ -40,8 +40,10 @@ TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
 CONFIGS = tuple(c for c in os.environ.get("GDN_PASS_GPU_FUZZ_CONFIGS",
                                           "preempt_prefix_hits,mtp,bad_input_under_load").split(",") if c)
 SPECULATIVE = {"mtp", "bailing_linear_mtp"}
-# The harness's fix zeroes no speculative row: MTP's footprint is judged against pass off.
-GUARDS = {config: ("off", "on") if config in SPECULATIVE else ("off", "on", fz.HARNESS_FIX) for config in CONFIGS}
+# The harness's fix zeroes no speculative row: MTP's footprint is judged against pass off on
+# an engine whose caches were zeroed after start-up (fz.CLEAN_OFF: no warm-up residue).
+GUARDS = {config: ("off", "on", fz.CLEAN_OFF) if config in SPECULATIVE else ("off", "on", fz.HARNESS_FIX)
+          for config in CONFIGS}
 
 
 @pytest.fixture(scope="module")
@@ -89,13 +91,17 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
                       f"{len(disagreements)} step(s); first: {disagreements[0]}")
     assert off["fresh_decode_steps"] > 0 and off["first_token_mismatches"] > 0, off["examples"]
     acted_on = set(s["acted_on"])
-    # every request the guard acted on matches its isolated run
-    assert not acted_on & set(on["mismatched_ids"]), on["examples"]
+    # every request the guard acted on, or that the footprint baseline read stale, matches its
+    # isolated run; in align mode (below) a request vLLM preempted and recomputed may drift
+    # after its resume as it does with the harness's fix (the footprint check: bit for bit)
+    judged_alone = acted_on | set(s["stale_in_baseline"])
+    drift = set(on["mismatched_preempted_ids"]) if config == "preempt_prefix_hits" else set()
+    assert not judged_alone & (set(on["mismatched_ids"]) - drift), on["examples"]
     if config in SPECULATIVE:
         # vLLM 0.26's own MTP mismatches (a final chunk or a new prompt of 1 + k tokens
         # run as a speculative decode, README, Known limits) are allowed only where the
         # guard did not act and pass off gives the very same output (perturbed_by_pass below)
-        assert set(on["mismatched_ids"]) <= set(off["mismatched_ids"]) - acted_on, on["examples"]
+        assert set(on["mismatched_ids"]) <= set(off["mismatched_ids"]) - judged_alone, on["examples"]
     elif config == "preempt_prefix_hits":
         # vLLM 0.26's align mode (prefix caching on) diverges by itself on CUDA,
         # pass off and on alike (README, Known limits): the harness's fix shows the same requests
@@ -103,7 +109,7 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     else:
         assert on["mismatches"] == 0, on["examples"]
     assert s["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
-    assert s["footprint_baseline"] == ("off" if config in SPECULATIVE else fz.HARNESS_FIX)
+    assert s["footprint_baseline"] == (fz.CLEAN_OFF if config in SPECULATIVE else fz.HARNESS_FIX)
     problem = footprint_problem(s)
     assert problem is None, problem
     if host_noise(s):
