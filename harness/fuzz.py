@@ -79,9 +79,9 @@ TRACE_EXTENSION = "harness.step_trace.StepTrace"
 _PREEMPT_BLOCKS = 24
 _COMPANION = list(range(100, 108))  # one 8-token chunk
 HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harness (step_trace)
-# Pass off on an engine whose caches the harness zeroed after start-up: what the warm-up left
-# in never-owned slots gone (the pass zeroes such slots while vLLM warms up, fresh-looking
-# dummy rows; seen on the GPU to change the very first request of a Bailing MTP stream).
+# Pass off on an engine whose caches the harness zeroed after start-up: what the caches held
+# before the stream gone. The pass also zeroes during vLLM's warm-up (its dummy rows look
+# fresh), which on the GPU changed the very first request of a Bailing MTP stream.
 CLEAN_OFF = "off+zeroed_at_start"
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 

@@ -37,7 +37,7 @@ every worker that loads this extension, for diagnostic runs (or, for
                             on, which the fuzz's footprint check must catch
     zeroed_at_start         no change to the guard: the harness zeroes every cache
                             once the engine has started, before the stream (what
-                            the engine's warm-up left in never-used slots changes)
+                            the caches held before the stream changes)
 """
 
 from __future__ import annotations
