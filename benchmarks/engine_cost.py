@@ -268,7 +268,7 @@ class Engine:
                     for _ in range(batch - fresh)]
         for _ in range(4):  # their prefills, then steady decoding
             self.engine.step()
-        start, hook0, parts0, calls0 = 0.0, 0.0, {}, 0
+        start, hook0, parts0, calls0, step_times = 0.0, 0.0, {}, 0, []
         for i in range(warmup + steps):
             if i == warmup:
                 if profiler is not None:
@@ -279,7 +279,10 @@ class Engine:
                     hook0, parts0, calls0 = self.clock.seconds, dict(self.clock.by_function), len(self.clock.calls)
             for _ in range(fresh):
                 self._add([rng.randrange(10, 1000)], 1)
+            began = time.perf_counter()
             self.engine.step()
+            if i >= warmup:
+                step_times.append(time.perf_counter() - began)
         per_step = (time.perf_counter() - start) / steps
         if profiler is not None:
             _synchronize()
@@ -292,7 +295,10 @@ class Engine:
                  if self.clock else None)
         self.engine.abort_request(decoders)
         self._drain()
-        return dict(step_s=per_step, hook_s=hook, hook_typical_s=hook_typical, hook_parts_s=parts)
+        # The window's typical step (its median ``engine.step()``): a stall of the host
+        # thread in one step moves the mean over a short window, not this.
+        return dict(step_s=per_step, step_median_s=statistics.median(step_times), hook_s=hook,
+                    hook_typical_s=hook_typical, hook_parts_s=parts)
 
     def profile(self, batch: int, fresh: int, steps: int, warmup: int, top: int = 12) -> dict:
         """``steps`` under torch.profiler: GPU kernel time per step, its largest kernels, the wall time.
@@ -432,6 +438,7 @@ def run(args, save=lambda result: None) -> dict:
     cases = [(b, f) for b in args.batches for f in sorted({0, 1, b // 2}) if f <= b]
     keys = [f"B={b} fresh={f}" for b, f in cases]
     times: dict[str, dict[str, list]] = {k: {v: [] for v in variants} for k in keys}
+    typical: dict[str, dict[str, list]] = {k: {v: [] for v in variants} for k in keys}
     hooks: dict[str, list] = {k: [] for k in keys}
     hook_parts: dict[str, list] = {k: [] for k in keys}
     hook_typical: dict[str, list] = {k: [] for k in keys}
@@ -446,7 +453,7 @@ def run(args, save=lambda result: None) -> dict:
                     weight_std=_weight_std(args) or None,
                     engine_start_s=round(start_s, 1), rounds=rounds_done, steps=args.steps,
                     fresh_row_check=checks, check_valid=check_valid,
-                    rows=_rows(times, hooks, hook_parts, hook_typical, hook_mean) if rounds_done else [],
+                    rows=_rows(times, hooks, hook_parts, hook_typical, hook_mean, typical) if rounds_done else [],
                     stream=_stream_result(streams), profiles=profiles)
 
     def out_of_time() -> bool:
@@ -486,6 +493,7 @@ def run(args, save=lambda result: None) -> dict:
             for v in order:
                 reply = _ask(engines, v, op="steps", batch=b, fresh=f, steps=args.steps, warmup=args.warmup)
                 times[key][v].append(reply["step_s"])
+                typical[key][v].append(reply["step_median_s"])
                 if reply["hook_s"] is not None:
                     hooks[key].append(reply["hook_s"] / reply["step_s"])
                     hook_typical[key].append(reply["hook_typical_s"])
@@ -514,13 +522,20 @@ def _weight_std(args) -> float:
     return 0.0 if args.dims.endswith("tiny") else 0.02
 
 
-def _rows(times: dict, hooks: dict, hook_parts: dict, hook_typical: dict, hook_mean: dict) -> list[dict]:
+def _rows(times: dict, hooks: dict, hook_parts: dict, hook_typical: dict, hook_mean: dict,
+          typical: dict | None = None) -> list[dict]:
+    """One row per case: ratios of the median over rounds of each window's mean step time, and
+    (``typical``) of each window's median step time, with that window's samples."""
     median = statistics.median
     rows = []
     for key, by_variant in times.items():
         base = median(by_variant["unguarded"])
+        by_typical = (typical or {}).get(key) or {}
+        typical_base = median(by_typical["unguarded"]) if by_typical.get("unguarded") else None
         rows.append(dict(case=key, unguarded_ms=round(base * 1e3, 3),
                          **{f"{v}_ratio": round(median(ts) / base, 4) for v, ts in by_variant.items() if v != "unguarded"},
+                         **({f"{v}_typical_ratio": round(median(ts) / typical_base, 4)
+                             for v, ts in by_typical.items() if v != "unguarded"} if typical_base else {}),
                          hook_share=round(median(hooks[key]), 4) if hooks[key] else None,
                          hook_mean_us=round(median(hook_mean[key]) * 1e6, 1) if hook_mean[key] else None,
                          hook_typical_us=(round(median(hook_typical[key]) * 1e6, 1)
@@ -528,7 +543,9 @@ def _rows(times: dict, hooks: dict, hook_parts: dict, hook_typical: dict, hook_m
                          # where the hook's host time goes, microseconds per step (median over rounds)
                          hook_parts_us={k: round(median(p[k] for p in hook_parts[key]) * 1e6, 1)
                                         for k in (hook_parts[key][0] if hook_parts[key] else {})},
-                         samples={v: [round(t * 1e3, 3) for t in ts] for v, ts in by_variant.items()}))
+                         samples={v: [round(t * 1e3, 3) for t in ts] for v, ts in by_variant.items()},
+                         **({"typical_samples": {v: [round(t * 1e3, 3) for t in ts] for v, ts in by_typical.items()}}
+                            if typical_base else {})))
     return rows
 
 
@@ -541,9 +558,9 @@ def _stream_result(streams: dict) -> dict | None:
                 samples=streams)
 
 
-def _round_range(row: dict, variant: str) -> str:
+def _round_range(row: dict, variant: str, field: str = "samples") -> str:
     """`` [lo-hi]``: the variant's per-round ratios to the unguarded engine (rounds paired by index)."""
-    samples = row.get("samples", {})
+    samples = row.get(field, {})
     ratios = [t / u for t, u in zip(samples.get(variant, []), samples.get("unguarded", []))]
     return f" [{min(ratios):.3f}-{max(ratios):.3f}]" if len(ratios) > 1 else ""
 
@@ -569,13 +586,16 @@ def render(result: dict) -> str:
                  "the slot, and find gdn-pass and the alternative fresh): the timings below are not "
                  "evidence for the fix's cost.", ""]),
              *(["In brackets: the lowest and highest ratio of one round (each round's variants ran back to "
-                "back); a difference counts only where those ranges do not straddle it. Hook host time: the "
+                "back); a difference counts only where those ranges do not straddle it. Typical step: the same "
+                "from each window's median `engine.step()` rather than its mean step time (a stall of the host "
+                "thread in one step of a short window moves the mean, not the median). Hook host time: the "
                 "mean per step of gdn-pass's hook calls (as a share of the step), which counts every stall "
                 "of the host thread inside a call, and the typical call's time (median) times the calls per step.",
                 "",
                 "| case | unguarded ms/step | gdn-pass | alternative (short extends as prefills) "
+                "| typical step: gdn-pass / alternative "
                 "| gdn-pass hook host time / step: mean (share) / typical | of it, us/step by function |",
-                "|---|---|---|---|---|---|"]
+                "|---|---|---|---|---|---|---|"]
                if result["rows"] else [])]
     for r in result["rows"]:
         share = "-"
@@ -585,8 +605,13 @@ def render(result: dict) -> str:
             if r.get("hook_typical_us") is not None:
                 share += f" / {r['hook_typical_us']} us"
         parts = ", ".join(f"{k} {v}" for k, v in sorted(r["hook_parts_us"].items(), key=lambda kv: -kv[1]))
+        typical = "-"
+        if r.get("gdn-pass_typical_ratio") is not None:
+            typical = " / ".join(f"x{r[f'{v}_typical_ratio']}{_round_range(r, v, 'typical_samples')}"
+                                 for v in ("gdn-pass", "alternative"))
         lines.append(f"| {r['case']} | {r['unguarded_ms']} | x{r['gdn-pass_ratio']}{_round_range(r, 'gdn-pass')} "
-                     f"| x{r['alternative_ratio']}{_round_range(r, 'alternative')} | {share} | {parts or '-'} |")
+                     f"| x{r['alternative_ratio']}{_round_range(r, 'alternative')} | {typical} | {share} "
+                     f"| {parts or '-'} |")
     if result["stream"]:
         s = result["stream"]
         lines += ["", f"Serving-like stream ({len(s['samples']['unguarded'])} round(s), after an unmeasured "

@@ -46,3 +46,27 @@ def test_bailing_2048_is_a_bailing_hybrid_at_the_same_scale(tmp_path):
     assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (512, 10, 512)
     # its config class beside config.json (loaded with trust_remote_code), no weights (dummy)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "configuration_bailing_linear.py"]
+
+
+def test_a_stall_in_one_step_moves_the_window_mean_not_its_typical_step():
+    from engine_cost import _rows, render
+
+    # Two rounds of one case; in round 2 the gdn-pass window had one step stalled by 20 ms
+    # (its mean over 20 steps grows by 1 ms), its median step equals the unguarded one's.
+    ms = 1e-3
+    times = {"B=1 fresh=0": {"unguarded": [2 * ms, 2 * ms], "gdn-pass": [2 * ms, 3 * ms],
+                             "alternative": [2 * ms, 2 * ms]}}
+    typical = {"B=1 fresh=0": {"unguarded": [1.9 * ms, 1.9 * ms], "gdn-pass": [1.9 * ms, 1.9 * ms],
+                               "alternative": [1.9 * ms, 1.9 * ms]}}
+    empty = {"B=1 fresh=0": []}
+    row = _rows(times, empty, empty, empty, empty, typical)[0]
+    assert row["gdn-pass_ratio"] == 1.25 and row["gdn-pass_typical_ratio"] == 1.0
+    result = dict(dims="tiny", layers=12, vllm="x", command="c", rounds=2, steps=20, check_valid=True,
+                  fresh_row_check={}, stream=None, rows=[row])
+    line = [x for x in render(result).splitlines() if x.startswith("| B=1 fresh=0")][0]
+    assert "| x1.25 [1.000-1.500] |" in line and "| x1.0 [1.000-1.000] / x1.0 [1.000-1.000] |" in line
+    # a result recorded before the typical step was kept renders without it
+    old = _rows(times, empty, empty, empty, empty)[0]
+    assert "gdn-pass_typical_ratio" not in old
+    line = [x for x in render(dict(result, rows=[old])).splitlines() if x.startswith("| B=1 fresh=0")][0]
+    assert "| - |" in line
