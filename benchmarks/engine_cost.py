@@ -523,19 +523,19 @@ def _weight_std(args) -> float:
 
 
 def _rows(times: dict, hooks: dict, hook_parts: dict, hook_typical: dict, hook_mean: dict,
-          typical: dict | None = None) -> list[dict]:
+          typical: dict) -> list[dict]:
     """One row per case: ratios of the median over rounds of each window's mean step time, and
     (``typical``) of each window's median step time, with that window's samples."""
     median = statistics.median
     rows = []
     for key, by_variant in times.items():
         base = median(by_variant["unguarded"])
-        by_typical = (typical or {}).get(key) or {}
-        typical_base = median(by_typical["unguarded"]) if by_typical.get("unguarded") else None
+        by_typical = typical[key]
+        typical_base = median(by_typical["unguarded"])
         rows.append(dict(case=key, unguarded_ms=round(base * 1e3, 3),
                          **{f"{v}_ratio": round(median(ts) / base, 4) for v, ts in by_variant.items() if v != "unguarded"},
-                         **({f"{v}_typical_ratio": round(median(ts) / typical_base, 4)
-                             for v, ts in by_typical.items() if v != "unguarded"} if typical_base else {}),
+                         **{f"{v}_typical_ratio": round(median(ts) / typical_base, 4)
+                            for v, ts in by_typical.items() if v != "unguarded"},
                          hook_share=round(median(hooks[key]), 4) if hooks[key] else None,
                          hook_mean_us=round(median(hook_mean[key]) * 1e6, 1) if hook_mean[key] else None,
                          hook_typical_us=(round(median(hook_typical[key]) * 1e6, 1)
@@ -544,8 +544,7 @@ def _rows(times: dict, hooks: dict, hook_parts: dict, hook_typical: dict, hook_m
                          hook_parts_us={k: round(median(p[k] for p in hook_parts[key]) * 1e6, 1)
                                         for k in (hook_parts[key][0] if hook_parts[key] else {})},
                          samples={v: [round(t * 1e3, 3) for t in ts] for v, ts in by_variant.items()},
-                         **({"typical_samples": {v: [round(t * 1e3, 3) for t in ts] for v, ts in by_typical.items()}}
-                            if typical_base else {})))
+                         typical_samples={v: [round(t * 1e3, 3) for t in ts] for v, ts in by_typical.items()}))
     return rows
 
 

@@ -348,7 +348,6 @@ def _engine_main(args) -> None:
 
     spec = json.loads(Path(args.spec).read_text())
     if spec.get("mutation"):
-
         os.environ[step_trace.MUTATION_ENV] = spec["mutation"]  # worker processes inherit it
         step_trace.apply_mutation(spec["mutation"])  # a worker in this process
     llm = make_llm(spec["model"], guard=spec["guard"], report_dir=spec.get("report_dir"),
@@ -577,7 +576,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         summary["changed_by_pass_unexplained"] = sorted(set(changed) - explained)
         # The pass's footprint, bit for bit. Against the harness's own fix where that ran
         # (HARNESS_FIX: every request, fixed ones included, as a fix without gdn-pass
-        # gives it); else against pass off, every request the guard did not act on.
+        # gives it); else against pass off (on a clean engine, CLEAN_OFF, where that ran),
+        # every request the guard did not act on.
         baseline = next(g for g in (HARNESS_FIX, CLEAN_OFF, "off") if g in guards)
         base_trace = ran[f"stream_{config}_s{seed}_{baseline}"]
         base_run = base_trace["results"]
@@ -590,11 +590,13 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         acted_elsewhere = set(fresh_reads_other_builders(on_trace)) - acted
         summary["acted_on_by_other_builders_only"] = sorted(acted_elsewhere, key=lambda rid: int(rid[1:]))
         # A request the baseline ran fresh on a slot-reading path: the bug hit it there, so its
-        # baseline output is not the yardstick; it is judged by its isolated run (above).
-        stale_in_baseline = (set(fresh_reads(base_trace)) | set(fresh_reads_other_builders(base_trace))) - acted
-        summary["stale_in_baseline"] = (
-            [] if baseline == HARNESS_FIX else sorted(stale_in_baseline, key=lambda rid: int(rid[1:])))
-        acted_on = set() if baseline == HARNESS_FIX else acted | acted_elsewhere | stale_in_baseline
+        # baseline output is not the yardstick; the test judges it by its isolated run.
+        acted_on, stale_in_baseline = set(), set()
+        if baseline != HARNESS_FIX:
+            acted_on = acted | acted_elsewhere
+            stale_in_baseline = (set(fresh_reads(base_trace)) | set(fresh_reads_other_builders(base_trace))) - acted_on
+            acted_on |= stale_in_baseline
+        summary["stale_in_baseline"] = sorted(stale_in_baseline, key=lambda rid: int(rid[1:]))
         perturbed = perturbed_by_pass(base_run, on_run, acted_on)
         summary["footprint_baseline"] = baseline
         summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))

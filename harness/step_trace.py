@@ -453,10 +453,10 @@ def _harness_zeroing() -> None:
         builder_class.build = functools.wraps(original)(build)
 
 
+ZEROED_AT_START = "zeroed_at_start"
 _MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes,
               "nudge_live_rows": _nudge_live_rows, "harness_zeroing": _harness_zeroing,
-              "zeroed_at_start": lambda: None}  # done by the driver (harness.fuzz), not in the worker
-ZEROED_AT_START = "zeroed_at_start"
+              ZEROED_AT_START: lambda: None}  # done by the driver (harness.fuzz), not in the worker
 
 
 def apply_mutation(name: str | None) -> None:
