@@ -108,7 +108,7 @@ class StagedRowMetadata:
         self.num_rows = 0
         # Host-side knowledge that ``fresh`` is all False on the device (as
         # allocated, or after ``stage_no_fresh``): lets ``stage_no_fresh`` skip its fill.
-        self._fresh_clear = True
+        self.fresh_clear = True
 
     def stage(
         self,
@@ -143,7 +143,7 @@ class StagedRowMetadata:
             start, stop = zero_start_rows
             if not 0 <= start <= stop <= n:
                 raise MetadataError(f"zero_start_rows {zero_start_rows} is not a run of the {n} staged rows")
-        self._fresh_clear = False
+        self.fresh_clear = False
         if self._fused_stage(num_computed_tokens, query_lens, state_slots, zero_start_rows, n):
             self.num_rows = n
             return
@@ -178,9 +178,9 @@ class StagedRowMetadata:
         """
         if not 0 <= num_rows <= self.max_rows:
             raise MetadataError(f"batch of {num_rows} rows does not fit the staged capacity of {self.max_rows}")
-        if not self._fresh_clear:
+        if not self.fresh_clear:
             self._storage["fresh"].fill_(False)
-            self._fresh_clear = True
+            self.fresh_clear = True
         self.num_rows = num_rows
 
     def stage_fresh(self, *, fresh_rows: np.ndarray, state_slots: torch.Tensor) -> None:
@@ -201,7 +201,7 @@ class StagedRowMetadata:
             raise MetadataError(f"fresh_rows has {fresh_rows.size} rows, state_slots {n}")
         self._copy_fresh_flags(fresh_rows)
         self.state_slot[:n].copy_(state_slots, non_blocking=True)
-        self._fresh_clear = not fresh_rows.any()
+        self.fresh_clear = not fresh_rows.any()
         self.num_rows = n
 
     def _copy_fresh_flags(self, fresh_rows: np.ndarray) -> None:

@@ -58,7 +58,8 @@ class StepHandoff:
 
     ``find_decode``: on a step without new rows (``host_fresh == 0``), where
     ``decode`` is left to be found by whoever launches anyway (a FULL CUDA
-    graph's capture): ``decode_rows()`` finds it once. None otherwise.
+    graph's capture): ``decode_rows()`` finds it once, as ``find_decode(*find_args)``
+    (no closure is made on the steps that never ask). None otherwise.
     """
 
     rows: StagedRowMetadata
@@ -67,12 +68,14 @@ class StepHandoff:
     decode: DecodeRows | None = None
     zeroed_at_build: bool = False
     zeroed_by_op: bool = False
-    find_decode: Callable[[], DecodeRows | None] | None = None
+    find_decode: Callable[..., DecodeRows | None] | None = None
+    find_args: tuple = ()
 
     def decode_rows(self) -> DecodeRows | None:
-        """``decode``, found first where the hook left it to be found (``find_decode``)."""
+        """``decode``, found first where the hook left it to be found (``find_decode(*find_args)``)."""
         if self.find_decode is not None:
-            self.decode, self.find_decode = self.find_decode(), None
+            self.decode, self.find_decode = self.find_decode(*self.find_args), None
+            self.find_args = ()
         return self.decode
 
 

@@ -78,6 +78,9 @@ class BuilderGuard:
     # Set at the first build, once ``rows`` and ``owner`` are: later steps without a new
     # row take ``_idle_step`` (the common case, kept to a few attribute reads).
     settled: bool = False
+    # Fixed with ``owner``: the step guard owns the group; the entry reads vLLM's decode rows on device.
+    step_owned: bool = False
+    finds_decode: bool = False
 
 
 def guard_of(builder) -> BuilderGuard | None:
@@ -129,15 +132,21 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
             _wrap(*own)
             _on_builder_created(self, own[0], original_init, own_build, args, kwargs)
 
+    guard_attr, step_rows, idle_step = _BUILDER_GUARD, rows_of_step, _idle_step  # closure reads: the per-step path
+
     @functools.wraps(original_build)
     def build(self, *args, **kwargs):
-        guard = self.__dict__.get(_BUILDER_GUARD)
+        guard = self.__dict__.get(guard_attr)
         if guard is None or guard.entry is not entry:
             # not configured, stood down, or a subclass's own hook acts
             return original_build(self, *args, **kwargs)
         if guard.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
         metadata = original_build(self, *args, **kwargs)
+        if guard.settled:  # most steps: vLLM's runners pass the scheduler's metadata by keyword
+            common = kwargs.get("common_attn_metadata")
+            if common is not None and step_rows(common).num_new == 0:
+                return idle_step(guard, common, metadata)
         return _guard_step(self, guard, original_build, args, kwargs, metadata)
 
     setattr(build, _MARK, True)
@@ -165,8 +174,7 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     if common is None:
         common, _ = compat.step_inputs(original_build, builder, args, kwargs)
     if guard.settled and rows_of_step(common).num_new == 0:
-        setattr(metadata, ATTR, _idle_step(guard, common, metadata))
-        return metadata
+        return _idle_step(guard, common, metadata)
     common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = guard.rows
     if rows is None:
@@ -176,6 +184,8 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     owner = guard.owner
     if owner is None:
         owner = guard.owner = _decide_owner(guard)
+        guard.step_owned = owner is _STEP
+        guard.finds_decode = guard.entry.device_rows is not None
         guard.settled = True
     step_owned = owner is _STEP
     caches, table = _group_state(guard)
@@ -191,23 +201,32 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     return attach(metadata, handoff)
 
 
-def _idle_step(guard: BuilderGuard, common, metadata) -> StepHandoff:
-    """The hand-off of a step without a new row (most steps of a serving engine): nothing to zero.
+def _idle_step(guard: BuilderGuard, common, metadata):
+    """Attach the hand-off of a step without a new row (most steps of a serving engine): nothing to zero.
 
     No row of any builder is read (``rows`` module invariant: a row to zero
     is a new row), staged flags are cleared (once after a step that staged
     some), and the guards launch nothing, except an op guard inside a FULL
     CUDA graph's capture: it finds vLLM's decode rows then
     (``StepHandoff.find_decode``). The group's table is checked here, since
-    it cannot be built inside capture.
+    it cannot be built inside capture. Kept to attribute reads and one
+    allocation: it runs once per builder on nearly every step.
     """
     rows = guard.rows
-    rows.stage_no_fresh(rows.num_rows)
-    table = _group_state(guard)[1]
-    if table is None or guard.entry.device_rows is None:
-        return StepHandoff(rows, 0, table, None, guard.owner is _STEP)
-    return StepHandoff(rows, 0, table, None, guard.owner is _STEP,
-                       find_decode=functools.partial(_device_rows, guard, table, common, metadata))
+    if not rows.fresh_clear:
+        rows.stage_no_fresh(rows.num_rows)
+    kept = guard.group  # _group_state's identity check, inlined
+    if kept is not None and getattr(kept[3].get(kept[4]), "kv_cache", None) is kept[0]:
+        table = kept[2]
+    else:
+        table = _group_state(guard)[1]
+    if table is None or not guard.finds_decode:
+        handoff = StepHandoff(rows, 0, table, None, guard.step_owned)
+    else:
+        handoff = StepHandoff(rows, 0, table, None, guard.step_owned, False, _device_rows,
+                              (guard, table, common, metadata))
+    setattr(metadata, ATTR, handoff)
+    return metadata
 
 
 def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> compat.DecodeRows | None:

@@ -390,3 +390,39 @@ def test_host_tensors_refilled_in_place_are_a_new_step(monkeypatch, refilled):
     metadata = builder.build(0, step)
     assert handoff_of(metadata).host_fresh == 1
     assert zeroed(caches) == [[4]] * 4
+
+
+@pytest.mark.parametrize("by_keyword", [True, False])
+def test_a_step_without_new_rows_leaves_the_decode_rows_to_a_capture(monkeypatch, by_keyword):
+    """On a step without a new row the hook reads no row of the builder (vLLM's runners pass the
+    metadata by keyword: the wrapper's own short path). Where the zeroing launch reads vLLM's
+    decode rows (CUDA), they are found only when a guard asks (a FULL CUDA graph's capture),
+    from this step's metadata, once; and a rebound group is checked on such a step too."""
+    from gdn_pass.vllm import step_guard
+
+    monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
+    config = vllm_config(configured=True)
+    bind_poisoned_caches(config)
+    tables = []
+    monkeypatch.setattr(metadata_hook, "_cache_table",
+                        lambda caches, device: tables.append(list(caches)) or SimpleNamespace(caches=caches))
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    entry = metadata_hook.guard_of(builder).entry
+    found, decode_rows = [], SimpleNamespace(num_rows=3)
+    monkeypatch.setitem(entry.__dict__, "device_rows",
+                        lambda common, metadata: found.append((common, metadata)) or decode_rows)
+    build = ((lambda step: builder.build(common_prefix_len=0, common_attn_metadata=step)) if by_keyword
+             else (lambda step: builder.build(0, step)))
+    build(step_of([9, 1, 30], [1, 1, 1], [3, 4, 5]))  # the first build settles the guard (full path)
+    found.clear()
+    monkeypatch.setitem(entry.__dict__, "rows", lambda *a: pytest.fail("rows read on a step without new rows"))
+    step = step_of([10, 1, 31], [1, 1, 1], [3, 4, 5])
+    metadata = build(step)
+    handoff = handoff_of(metadata)
+    assert handoff.host_fresh == 0 and handoff.decode is None and not found, "decode rows found unasked"
+    assert handoff.decode_rows() is decode_rows and handoff.decode_rows() is decode_rows
+    assert len(found) == 1 and found[0][0] is step and found[0][1] is metadata
+    assert handoff.table.caches == tables[-1] and len(tables) == 1
+    rebound = bind_poisoned_caches(config)  # vLLM binds new caches: the next idle step's table has them
+    handoff = handoff_of(build(step_of([11, 2, 32], [1, 1, 1], [3, 4, 5])))
+    assert len(tables) == 2 and handoff.table.caches == rebound
