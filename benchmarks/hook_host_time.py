@@ -16,6 +16,9 @@ blocks, and reports per step:
                          k of them brand new (fresh decode rows, to zero)
     vllm_us              vLLM's builds alone, median per step
     hook_us              the hook's host time per step (with - without)
+    first / later        (steps without fresh rows) the hook's time in the step's
+                         first build, which computes the step's scheduler rows,
+                         and in each later build, which reuses them
     busy_us              (CUDA, fresh steps) one step's builds with the hook,
                          enqueued behind a 2 ms GPU sleep: near hook_us +
                          vllm_us when the hook never waits for the stream
@@ -121,6 +124,30 @@ def time_steps(builders, steps: Steps, repeat: int, sync) -> tuple[float, float]
     return statistics.median(hooked), statistics.median(plain)
 
 
+def split_idle_us(builders, steps: Steps, repeat: int, sync) -> tuple[float, float]:
+    """On a step without new rows, the hook's median us in the step's first build (which computes the
+    step's scheduler rows, ``rows.scheduler_rows``) and in each later build (which reuses them)."""
+    plain = [b.build.__wrapped__.__get__(b) for b in builders]
+    first, later = [], []
+    for _ in range(repeat // 20):
+        spent = dict(hooked_first=0.0, hooked_later=0.0, plain_first=0.0, plain_later=0.0)
+        for _ in range(20):
+            for kind, builds in (("hooked", [b.build for b in builders]), ("plain", plain)):
+                base = steps.common()
+                copies = [copy.copy(base) for _ in builds]
+                start = time.perf_counter()
+                builds[0](common_prefix_len=0, common_attn_metadata=copies[0])
+                middle = time.perf_counter()
+                for build, common in zip(builds[1:], copies[1:]):
+                    build(common_prefix_len=0, common_attn_metadata=common)
+                spent[f"{kind}_first"] += middle - start
+                spent[f"{kind}_later"] += time.perf_counter() - middle
+        first.append((spent["hooked_first"] - spent["plain_first"]) / 20 * 1e6)
+        later.append((spent["hooked_later"] - spent["plain_later"]) / 20 / max(1, len(builders) - 1) * 1e6)
+        sync()
+    return statistics.median(first), statistics.median(later)
+
+
 def busy_step_us(builders, steps: Steps) -> float:
     """Host time of one step's hooked builds enqueued behind 2 ms of GPU work."""
     torch.cuda.synchronize()
@@ -158,6 +185,9 @@ def main():
             row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
             if cuda and fresh:
                 row["busy_us"] = round(busy_step_us(builders, steps), 1)
+            if not fresh:
+                first_us, later_us = split_idle_us(builders, steps, args.repeat, sync)
+                row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
             rows.append(row)
             print(json.dumps(row), flush=True)
     import vllm
@@ -170,10 +200,12 @@ def main():
                   torch=torch.__version__, rows=rows)
     table = [f"{args.groups} GDN builders x {args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}", "",
-             "| B | fresh | vLLM builds us/step | hook us/step | one step behind 2 ms of GPU work, us |",
-             "|---|---|---|---|---|"]
-    table += [f"| {r['batch']} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | {r.get('busy_us', '')} |"
-              for r in rows]
+             "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
+             "| one step behind 2 ms of GPU work, us |",
+             "|---|---|---|---|---|---|"]
+    table += [f"| {r['batch']} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
+              + (f"{r['first_build_us']} / {r['later_build_us']}" if "first_build_us" in r else "")
+              + f" | {r.get('busy_us', '')} |" for r in rows]
     print("\n".join(table))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
