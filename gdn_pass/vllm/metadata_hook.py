@@ -132,21 +132,16 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
             _wrap(*own)
             _on_builder_created(self, own[0], original_init, own_build, args, kwargs)
 
-    guard_attr, step_rows, idle_step = _BUILDER_GUARD, rows_of_step, _idle_step  # closure reads: the per-step path
-
     @functools.wraps(original_build)
     def build(self, *args, **kwargs):
-        guard = self.__dict__.get(guard_attr)
+        guard = self.__dict__.get(_BUILDER_GUARD)
         if guard is None or guard.entry is not entry:
             # not configured, stood down, or a subclass's own hook acts
             return original_build(self, *args, **kwargs)
         if guard.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
         metadata = original_build(self, *args, **kwargs)
-        if guard.settled:  # most steps: vLLM's runners pass the scheduler's metadata by keyword
-            common = kwargs.get("common_attn_metadata")
-            if common is not None and step_rows(common).num_new == 0:
-                return idle_step(guard, common, metadata)
+        # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
         return _guard_step(self, guard, original_build, args, kwargs, metadata)
 
     setattr(build, _MARK, True)

@@ -426,3 +426,26 @@ def test_a_step_without_new_rows_leaves_the_decode_rows_to_a_capture(monkeypatch
     rebound = bind_poisoned_caches(config)  # vLLM binds new caches: the next idle step's table has them
     handoff = handoff_of(build(step_of([11, 2, 32], [1, 1, 1], [3, 4, 5])))
     assert len(tables) == 2 and handoff.table.caches == rebound
+
+
+def test_the_cost_benchmarks_clock_sees_every_build(monkeypatch):
+    """``benchmarks/engine_cost.py`` charges the hook what runs under ``_guard_step``: a build
+    on a step without new rows (the common case, by keyword as vLLM's runners call it) must
+    go through it too, or the engine cost table reads 0 us for such steps."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from engine_cost import HookClock
+
+    monkeypatch.setattr(metadata_hook, "_guard_step", metadata_hook._guard_step)  # restored afterwards
+    monkeypatch.setattr(metadata_hook, "_one_token_step_as_decodes", metadata_hook._one_token_step_as_decodes)
+    config = vllm_config(configured=True)
+    bind_poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    clock = HookClock()
+    builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    builder.build(common_prefix_len=0, common_attn_metadata=step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))
+    assert handoff_of(builder.build(common_prefix_len=0, common_attn_metadata=step_of(
+        [11, 2, 32], [1, 1, 1], [3, 4, 5]))).host_fresh == 0
+    assert len(clock.calls) == 3
