@@ -448,4 +448,6 @@ def test_the_cost_benchmarks_clock_sees_every_build(monkeypatch):
     builder.build(common_prefix_len=0, common_attn_metadata=step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))
     assert handoff_of(builder.build(common_prefix_len=0, common_attn_metadata=step_of(
         [11, 2, 32], [1, 1, 1], [3, 4, 5]))).host_fresh == 0
-    assert len(clock.calls) == 3
+    # one timed call per build, two where vLLM 0.31+'s split is kept on the decode path first
+    calls_per_build = 2 if metadata_hook.guard_of(builder).keeps_decodes else 1
+    assert len(clock.calls) == 3 * calls_per_build
