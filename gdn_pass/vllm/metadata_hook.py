@@ -78,9 +78,6 @@ class BuilderGuard:
     # Set at the first build, once ``rows`` and ``owner`` are: later steps without a new
     # row take ``_idle_step`` (the common case, kept to a few attribute reads).
     settled: bool = False
-    # Fixed with ``owner``: the step guard owns the group; the entry reads vLLM's decode rows on device.
-    step_owned: bool = False
-    finds_decode: bool = False
 
 
 def guard_of(builder) -> BuilderGuard | None:
@@ -179,8 +176,6 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     owner = guard.owner
     if owner is None:
         owner = guard.owner = _decide_owner(guard)
-        guard.step_owned = owner is _STEP
-        guard.finds_decode = guard.entry.device_rows is not None
         guard.settled = True
     step_owned = owner is _STEP
     caches, table = _group_state(guard)
@@ -215,10 +210,11 @@ def _idle_step(guard: BuilderGuard, common, metadata):
         table = kept[2]
     else:
         table = _group_state(guard)[1]
-    if table is None or not guard.finds_decode:
-        handoff = StepHandoff(rows, 0, table, None, guard.step_owned)
+    step_owned = guard.owner is _STEP
+    if table is None or guard.entry.device_rows is None:
+        handoff = StepHandoff(rows, 0, table, None, step_owned)
     else:
-        handoff = StepHandoff(rows, 0, table, None, guard.step_owned, False, _device_rows,
+        handoff = StepHandoff(rows, 0, table, None, step_owned, False, _device_rows,
                               (guard, table, common, metadata))
     setattr(metadata, ATTR, handoff)
     return metadata
