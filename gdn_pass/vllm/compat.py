@@ -261,6 +261,17 @@ def host_lengths(common) -> tuple[torch.Tensor | None, str | None]:
     return None, None
 
 
+def new_row_length_bound(common, field: str) -> int:
+    """The most ``field`` of ``host_lengths`` can hold for a new row of ``common``'s step.
+
+    A new row has no token computed: its sequence length is its query length,
+    at most the step's ``max_query_len`` (which vLLM's own decode/prefill split
+    trusts as the bound, 0.26-0.33); its computed count is 0. So every row whose
+    host length exceeds this bound is not new.
+    """
+    return 0 if field == _COMPUTED_FIELD else common.max_query_len
+
+
 def num_computed_tokens(common, query_lens: np.ndarray, lengths: tuple[torch.Tensor | None, str | None]) -> np.ndarray:
     """Tokens computed before this step, per row, on the host, without a device sync where possible.
 

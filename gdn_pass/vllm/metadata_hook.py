@@ -43,7 +43,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
-from gdn_pass.vllm.rows import scheduler_rows as rows_of_step
+from gdn_pass.vllm.rows import has_new_rows
 from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
@@ -165,7 +165,7 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     common = kwargs.get("common_attn_metadata")  # vLLM 0.26's runner: by keyword
     if common is None:
         common, _ = compat.step_inputs(original_build, builder, args, kwargs)
-    if guard.settled and rows_of_step(common).num_new == 0:
+    if guard.settled and not has_new_rows(common):
         return _idle_step(guard, common, metadata)
     common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = guard.rows

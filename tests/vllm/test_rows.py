@@ -1,0 +1,106 @@
+"""``rows.has_new_rows`` and ``rows.scheduler_rows`` against a naive per-row reference.
+
+The reference reads the test's own per-row inputs (tokens computed before the
+step, tokens this step), never the lengths the code under test reads:
+
+    new[i] = query_len[i] > 0 and computed[i] == 0
+
+The steps are built as vLLM's runners build them: ``query_start_loc_cpu``
+with ``num_reqs + 1`` offsets, host lengths in one of the three fields vLLM
+0.26-0.33 carry (sequence lengths, their upper bound, or tokens computed),
+and full-graph padding rows (no token, length 0) past ``num_reqs``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from gdn_pass.vllm import compat, rows
+
+FIELDS = ("seq_lens_cpu_upper_bound", "seq_lens_cpu", "num_computed_tokens_cpu")
+
+
+def step(computed: list[int], query_lens: list[int], field: str, *, padding: int = 0):
+    """One step's scheduler metadata with its host lengths in ``field`` (a new view per call)."""
+    num_reqs = len(query_lens)
+    lens = [c + q for c, q in zip(computed, query_lens)] if field != "num_computed_tokens_cpu" else list(computed)
+    starts = torch.tensor([0] + query_lens + [0] * padding, dtype=torch.int32).cumsum(0).to(torch.int32)
+    lengths = torch.tensor(lens + [0] * padding, dtype=torch.int32)
+    return SimpleNamespace(query_start_loc_cpu=starts[:], num_reqs=num_reqs, max_query_len=max(query_lens, default=0),
+                           **{field: lengths[:]})
+
+
+def reference_has_new(computed: list[int], query_lens: list[int]) -> bool:
+    return any(q > 0 and c == 0 for c, q in zip(computed, query_lens))
+
+
+def random_steps(seed: int):
+    """Decode, speculative and mixed steps of 1-256 rows; 0, 1 or several new rows, some at the bound."""
+    rng = random.Random(seed)
+    for batch, max_query_len, num_new in itertools.product((1, 3, 64, 256), (1, 2, 4, 17), (0, 1, 3)):
+        query_lens = [rng.randint(1, max_query_len) for _ in range(batch)]
+        computed = [rng.randint(1, 40) for _ in range(batch)]
+        query_lens[rng.randrange(batch)] = max_query_len
+        for row in rng.sample(range(batch), min(num_new, batch)):
+            computed[row] = 0
+        yield computed, query_lens
+
+
+@pytest.fixture(autouse=True)
+def forget_last_step(monkeypatch):
+    monkeypatch.setattr(rows, "_last_step", [None])
+    monkeypatch.setattr(rows, "_last_idle_key", [None])
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize("padding", [0, 5])
+def test_has_new_rows_matches_the_reference(field, padding):
+    cases = list(random_steps(seed=len(field) + padding))
+    for computed, query_lens in cases:
+        expected = reference_has_new(computed, query_lens)
+        assert rows.has_new_rows(step(computed, query_lens, field, padding=padding)) == expected, (computed, query_lens)
+        assert (rows.scheduler_rows(step(computed, query_lens, field, padding=padding)).num_new != 0) == expected
+
+
+@pytest.mark.parametrize("field", FIELDS)
+@pytest.mark.parametrize(
+    "computed, query_lens, expected",
+    [
+        ([7, 0, 9], [1, 1, 1], True),  # the bug's step: a new one-token row among decodes
+        ([7, 1, 9], [1, 1, 1], False),  # a length equal to the step's longest query, yet not new
+        ([0], [1], True),
+        ([5, 0], [3, 3], True),  # a new row exactly at max_query_len
+        ([5, 2], [3, 1], False),
+        ([0, 4], [0, 1], False),  # a row without tokens is not new
+        ([], [], False),  # no row at all
+    ],
+)
+def test_has_new_rows_at_the_bound(field, computed, query_lens, expected):
+    assert reference_has_new(computed, query_lens) == expected
+    assert rows.has_new_rows(step(computed, query_lens, field)) == expected
+    assert rows.has_new_rows(step(computed, query_lens, field, padding=3)) == expected
+
+
+def test_a_step_without_new_rows_is_proven_without_its_scheduler_rows(monkeypatch):
+    """The cost: on a decode step whose rows all have history the answer is one reduction, not the
+    step's rows; the step's other groups (shallow copies) reuse the answer."""
+    common = step([30, 12, 5], [1, 1, 1], "seq_lens_cpu_upper_bound", padding=2)
+    monkeypatch.setattr(rows, "scheduler_rows", lambda c: pytest.fail("scheduler rows computed"))
+    assert rows.has_new_rows(common) is False
+    monkeypatch.setattr(compat, "host_lengths", lambda c: pytest.fail("lengths read again"))
+    assert rows.has_new_rows(copy.copy(common)) is False
+
+
+def test_lengths_refilled_in_place_are_a_new_step():
+    """A caller refilling the same host tensor with torch ops (its version counter moves) gets a fresh
+    answer: a row that becomes new in the later step is seen."""
+    common = step([30, 12, 5], [1, 1, 1], "seq_lens_cpu")
+    assert rows.has_new_rows(common) is False
+    common.seq_lens_cpu[1] = 1  # row 1 now has its one token and none computed
+    assert rows.has_new_rows(common) is True
