@@ -226,3 +226,31 @@ def test_a_request_the_baseline_read_stale_is_judged_by_its_isolated_run(tmp_pat
         assert s["stale_in_baseline"] == [moved] and s["perturbed_by_pass"] == {}
     else:  # a move the baseline does not explain is the pass's
         assert s["stale_in_baseline"] == [] and s["perturbed_by_pass"] == {moved: 0}
+
+
+@pytest.mark.parametrize("damaged", [False, True])
+def test_a_request_that_reads_what_the_caches_held_before_the_stream_is_not_the_passs(
+        tmp_path, monkeypatch, damaged):
+    """Against the clean pass-off engine, a request moved only by the residue in a cache no guard
+    touches (pass on equal to pass off bit for bit) is left out of the footprint; one the pass
+    moved away from both baselines is the pass's."""
+    from harness import fuzz as fz
+
+    def streams(stream, ref):
+        residue, fixed = stream[3].rid, stream[1].rid
+        on_changed = {residue: 0.125} if damaged else {}
+        return {"off": _stream_outputs(stream, ref, changed={fixed: 3.0}, fresh={fixed: "decode"}),
+                "on": _stream_outputs(stream, ref, changed=on_changed, fresh={fixed: "decode"}),
+                fz.CLEAN_OFF: _stream_outputs(stream, ref, changed={residue: 0.03125, fixed: 3.0},
+                                              fresh={fixed: "decode"})}
+
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.CLEAN_OFF), streams)
+    residue = stream[3].rid
+    assert s["footprint_baseline"] == fz.CLEAN_OFF and s["acted_on"] == [stream[1].rid]
+    if damaged:
+        assert s["perturbed_by_pass"] == {residue: 0} and s["moved_by_residue"] == []
+        assert s["largest_shift_by_pass"] == 0.125 - 0.03125
+        assert "1 request(s) moved" in footprint_problem(s)
+    else:
+        assert s["perturbed_by_pass"] == {} and s["moved_by_residue"] == [residue]
+        assert s["largest_shift_by_pass"] == 0.0 and footprint_problem(s) is None
