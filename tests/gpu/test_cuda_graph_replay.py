@@ -31,6 +31,20 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture
+def same_reduction_configs():
+    """History rows are compared bit for bit with a separately compiled unguarded graph. Inductor
+    picks among a reduction kernel's configs by timing them at its first launch, so the two graphs
+    can sum in different orders (H200, a094925-98a43c2: 1.1e-8 on outputs, 1.2e-7 on states, the
+    same figures in every process of one machine, whose autotuning cache they share). Its
+    deterministic mode picks without timing."""
+    if not hasattr(torch._inductor.config, "deterministic"):
+        yield
+        return
+    with torch._inductor.config.patch(deterministic=True):
+        yield
+
+
 def layer_for(recurrence):
     if recurrence == "fla":
         pytest.importorskip("fla", reason="flash-linear-attention (fla-core) is not installed")
@@ -41,7 +55,7 @@ def layer_for(recurrence):
     "recurrence, pad_slot_id, scratch_slot",
     [("torch", -1, True), ("torch", 0, True), ("torch", -1, False), ("fla", -1, True)],
 )
-def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot):
+def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot, same_reduction_configs):
     layer = layer_for(recurrence)
     runner = GDNRunner(layer, num_slots=NUM_SLOTS, max_batch=max(CAPTURE_SIZES),
                        pad_slot_id=pad_slot_id, device="cuda", scratch_slot=scratch_slot)
@@ -81,7 +95,7 @@ def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot):
     assert stats["fresh"] and stats["history"] and stats["padding"]
 
 
-def test_reduce_overhead_mode():
+def test_reduce_overhead_mode(same_reduction_configs):
     class WithCaches(torch.nn.Module):  # caches as buffers: static inputs for cudagraph trees
         def __init__(self, layer):
             super().__init__()
