@@ -13,18 +13,20 @@ without it (``builder.build.__wrapped__``, vLLM's own build), interleaved in
 blocks, and reports per step:
 
     rows B, fresh k      the step: B one-token rows in vLLM's decode order,
-                         k of them brand new (fresh decode rows, to zero)
+                         k of them brand new (fresh decode rows, to zero);
+                         B -> P: B rows without new ones, padded to a FULL
+                         graph's P rows as vLLM's runner pads them
     vllm_us              vLLM's builds alone, median per step
     hook_us              the hook's host time per step (with - without)
     first / later        (steps without fresh rows) the hook's time in the step's
-                         first build, which computes the step's scheduler rows,
-                         and in each later build, which reuses them
+                         first build, which decides whether the step has a new
+                         row, and in each later build, which reuses that
     busy_us              (CUDA, fresh steps) one step's builds with the hook,
                          enqueued behind a 2 ms GPU sleep: near hook_us +
                          vllm_us when the hook never waits for the stream
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
-        [--batches 1 8 64 256] [--repeat 400] [--out DIR]
+        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--out DIR]
 """
 
 from __future__ import annotations
@@ -81,19 +83,23 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
 class Steps:
     """One step's scheduler metadata, made anew per step from persistent buffers as vLLM's runner does."""
 
-    def __init__(self, batch: int, fresh: int, device: torch.device):
+    def __init__(self, batch: int, fresh: int, device: torch.device, padded_to: int | None = None):
+        """``padded_to``: the ``batch`` real rows padded to a captured FULL-graph size, as vLLM's
+        runner pads them (counted in ``num_reqs``, no token, sequence length 0, block 0)."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         self.cls = CommonAttentionMetadata
+        rows = padded_to or batch
         computed = [0] * fresh + [17] * (batch - fresh)
-        self.batch = batch
-        self.query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
+        self.batch = rows
+        self.query_start_loc = torch.tensor(list(range(batch + 1)) + [batch] * (rows - batch), dtype=torch.int32)
         self.query_start_loc_gpu = self.query_start_loc.to(device)
-        self.seq_lens_cpu = torch.tensor(computed, dtype=torch.int32) + 1
+        self.seq_lens_cpu = torch.tensor([c + 1 for c in computed] + [0] * (rows - batch), dtype=torch.int32)
         self.seq_lens = self.seq_lens_cpu.to(device)
         self.max_seq_len = int(self.seq_lens_cpu.max())
-        self.block_table = torch.arange(1, batch + 1, dtype=torch.int32, device=device).view(-1, 1)
-        self.slot_mapping = torch.zeros(batch, dtype=torch.int64, device=device)
+        blocks = list(range(1, batch + 1)) + [0] * (rows - batch)
+        self.block_table = torch.tensor(blocks, dtype=torch.int32, device=device).view(-1, 1)
+        self.slot_mapping = torch.zeros(rows, dtype=torch.int64, device=device)
 
     def common(self):
         n = self.batch
@@ -167,29 +173,36 @@ def main():
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--layers-per-group", type=int, default=12)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--padded-batches", nargs="*", default=["5:8", "40:64"], metavar="REAL:PADDED",
+                    help="steps without new rows whose real rows are padded to a FULL graph's size")
     ap.add_argument("--repeat", type=int, default=400)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    builders = make_builders(device, max(args.batches) + 2, args.groups, args.layers_per_group)
+    padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
+    builders = make_builders(device, max([*args.batches, *(p for _, p in padded)]) + 2, args.groups,
+                             args.layers_per_group)
     rows = []
-    for batch in args.batches:
-        for fresh in sorted({0, 1, batch // 2}):
-            steps = Steps(batch, fresh, device)
-            for _ in range(50):  # warm-up: caches, allocator, the owner's decision
-                build_step(builders, steps, True)
-            sync()
-            with_hook, alone = time_steps(builders, steps, args.repeat, sync)
-            row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
-            if cuda and fresh:
-                row["busy_us"] = round(busy_step_us(builders, steps), 1)
-            if not fresh:
-                first_us, later_us = split_idle_us(builders, steps, args.repeat, sync)
-                row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    cases = [(batch, fresh, None) for batch in args.batches for fresh in sorted({0, 1, batch // 2})]
+    cases += [(real, 0, padded_to) for real, padded_to in padded]
+    for batch, fresh, padded_to in cases:
+        steps = Steps(batch, fresh, device, padded_to)
+        for _ in range(50):  # warm-up: caches, allocator, the owner's decision
+            build_step(builders, steps, True)
+        sync()
+        with_hook, alone = time_steps(builders, steps, args.repeat, sync)
+        row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
+        if padded_to:
+            row["padded_to"] = padded_to
+        if cuda and fresh:
+            row["busy_us"] = round(busy_step_us(builders, steps), 1)
+        if not fresh:
+            first_us, later_us = split_idle_us(builders, steps, args.repeat, sync)
+            row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     import vllm
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -203,7 +216,7 @@ def main():
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
              "| one step behind 2 ms of GPU work, us |",
              "|---|---|---|---|---|---|"]
-    table += [f"| {r['batch']} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
+    table += [f"| {r['batch']}{' -> ' + str(r['padded_to']) if 'padded_to' in r else ''} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
               + (f"{r['first_build_us']} / {r['later_build_us']}" if "first_build_us" in r else "")
               + f" | {r.get('busy_us', '')} |" for r in rows]
     print("\n".join(table))

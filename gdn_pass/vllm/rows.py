@@ -146,9 +146,10 @@ def has_new_rows(common) -> bool:
 
     Most steps of a serving engine have none, and most of those are proven so by
     one reduction over the host lengths: every row's length exceeds what a new
-    row's can be (``compat.new_row_length_bound``). Only other steps compute
-    the step's ``SchedulerRows`` (which builders with new rows read anyway).
-    Same answer as ``scheduler_rows(common).num_new != 0`` on every step.
+    row's can be (``compat.new_row_length_bound``); two more where a FULL CUDA
+    graph's padding rows follow the real ones. Only other steps compute the
+    step's ``SchedulerRows`` (which builders with new rows read anyway). Same
+    answer as ``scheduler_rows(common).num_new != 0`` on every step.
     """
     starts_cpu = common.query_start_loc_cpu
     last = _last_step[0]
@@ -160,8 +161,18 @@ def has_new_rows(common) -> bool:
     if tensor is not None:
         num_reqs = common.num_reqs
         lengths = tensor.numpy()[:num_reqs]
+        bound = compat.new_row_length_bound(common, field)
         # argmin, not min: numpy's reductions cost about 1.5 us of per-call overhead, argmin 0.3 us
-        if num_reqs == 0 or lengths[lengths.argmin()] > compat.new_row_length_bound(common, field):
+        least = lengths.argmin() if num_reqs else None
+        if least is not None and lengths[least] == 0 and bound > 0:  # bound > 0: sequence lengths
+            # A sequence length of 0 is a row without tokens, not new: vLLM's runners count a
+            # FULL graph's padding rows in num_reqs, after the real rows, with length 0. Where
+            # every row from the first such one on has length 0, the real rows before it decide.
+            tail = lengths[least:]
+            if tail[tail.argmax()] == 0:
+                lengths = lengths[:least]
+                least = lengths.argmin() if least else None
+        if least is None or lengths[least] > bound:
             _last_idle_key[0] = _step_key(common, starts_cpu, tensor, field)
             return False
     return scheduler_rows(common).num_new != 0

@@ -26,9 +26,12 @@ from gdn_pass.vllm import compat, rows
 FIELDS = ("seq_lens_cpu_upper_bound", "seq_lens_cpu", "num_computed_tokens_cpu")
 
 
-def step(computed: list[int], query_lens: list[int], field: str, *, padding: int = 0):
-    """One step's scheduler metadata with its host lengths in ``field`` (a new view per call)."""
-    num_reqs = len(query_lens)
+def step(computed: list[int], query_lens: list[int], field: str, *, padding: int = 0, padded_num_reqs=False):
+    """One step's scheduler metadata with its host lengths in ``field`` (a new view per call).
+
+    ``padding`` rows without tokens follow the real ones; ``padded_num_reqs``: ``num_reqs`` counts
+    them, as vLLM 0.27-0.32's V1 runner does for a padded FULL CUDA graph."""
+    num_reqs = len(query_lens) + (padding if padded_num_reqs else 0)
     lens = [c + q for c, q in zip(computed, query_lens)] if field != "num_computed_tokens_cpu" else list(computed)
     starts = torch.tensor([0] + query_lens + [0] * padding, dtype=torch.int32).cumsum(0).to(torch.int32)
     lengths = torch.tensor(lens + [0] * padding, dtype=torch.int32)
@@ -59,13 +62,14 @@ def forget_last_step(monkeypatch):
 
 
 @pytest.mark.parametrize("field", FIELDS)
-@pytest.mark.parametrize("padding", [0, 5])
-def test_has_new_rows_matches_the_reference(field, padding):
+@pytest.mark.parametrize("padding, padded_num_reqs", [(0, False), (5, False), (5, True)])
+def test_has_new_rows_matches_the_reference(field, padding, padded_num_reqs):
     cases = list(random_steps(seed=len(field) + padding))
     for computed, query_lens in cases:
         expected = reference_has_new(computed, query_lens)
-        assert rows.has_new_rows(step(computed, query_lens, field, padding=padding)) == expected, (computed, query_lens)
-        assert (rows.scheduler_rows(step(computed, query_lens, field, padding=padding)).num_new != 0) == expected
+        kw = dict(padding=padding, padded_num_reqs=padded_num_reqs)
+        assert rows.has_new_rows(step(computed, query_lens, field, **kw)) == expected, (computed, query_lens)
+        assert (rows.scheduler_rows(step(computed, query_lens, field, **kw)).num_new != 0) == expected
 
 
 @pytest.mark.parametrize("field", FIELDS)
@@ -78,6 +82,8 @@ def test_has_new_rows_matches_the_reference(field, padding):
         ([5, 0], [3, 3], True),  # a new row exactly at max_query_len
         ([5, 2], [3, 1], False),
         ([0, 4], [0, 1], False),  # a row without tokens is not new
+        ([0, 0, 6], [0, 1, 1], True),  # a row without tokens (length 0) ahead of a new row
+        ([3, 0, 0], [1, 0, 1], True),
         ([], [], False),  # no row at all
     ],
 )
@@ -85,12 +91,17 @@ def test_has_new_rows_at_the_bound(field, computed, query_lens, expected):
     assert reference_has_new(computed, query_lens) == expected
     assert rows.has_new_rows(step(computed, query_lens, field)) == expected
     assert rows.has_new_rows(step(computed, query_lens, field, padding=3)) == expected
+    assert rows.has_new_rows(step(computed, query_lens, field, padding=3, padded_num_reqs=True)) == expected
 
 
-def test_a_step_without_new_rows_is_proven_without_its_scheduler_rows(monkeypatch):
+@pytest.mark.parametrize("max_query_len", [1, 2])
+@pytest.mark.parametrize("padded_num_reqs", [False, True])
+def test_a_step_without_new_rows_is_proven_without_its_scheduler_rows(monkeypatch, padded_num_reqs, max_query_len):
     """The cost: on a decode step whose rows all have history the answer is one reduction, not the
-    step's rows; the step's other groups (shallow copies) reuse the answer."""
-    common = step([30, 12, 5], [1, 1, 1], "seq_lens_cpu_upper_bound", padding=2)
+    step's rows, FULL-graph padding rows counted in ``num_reqs`` included; the step's other groups
+    (shallow copies) reuse the answer."""
+    common = step([30, 12, 5], [1, max_query_len, 1], "seq_lens_cpu_upper_bound", padding=2,
+                  padded_num_reqs=padded_num_reqs)
     monkeypatch.setattr(rows, "scheduler_rows", lambda c: pytest.fail("scheduler rows computed"))
     assert rows.has_new_rows(common) is False
     monkeypatch.setattr(compat, "host_lengths", lambda c: pytest.fail("lengths read again"))
