@@ -152,15 +152,15 @@ def has_new_rows(common) -> bool:
     answer as ``scheduler_rows(common).num_new != 0`` on every step.
     """
     starts_cpu = common.query_start_loc_cpu
+    if _is_step(_last_idle_key[0], common, starts_cpu):  # most builds: a later group of an idle step
+        return False
     last = _last_step[0]
     if last is not None and _is_step(last.key, common, starts_cpu):
         return last.num_new != 0
-    if _is_step(_last_idle_key[0], common, starts_cpu):
-        return False
     tensor, field = compat.host_lengths(common)
     if tensor is not None:
         num_reqs = common.num_reqs
-        lengths = tensor.numpy()[:num_reqs]
+        lengths = compat.host_array(tensor, num_reqs)
         bound = compat.new_row_length_bound(common, field)
         # argmin, not min: numpy's reductions cost about 1.5 us of per-call overhead, argmin 0.3 us
         least = lengths.argmin() if num_reqs else None
@@ -202,7 +202,7 @@ def scheduler_rows(common) -> SchedulerRows:
     num_reqs = common.num_reqs
     # numpy on views of vLLM's host tensors: a torch op on a few dozen CPU
     # elements costs several microseconds of dispatch, numpy's about one.
-    starts = starts_cpu.numpy()
+    starts = compat.host_array(starts_cpu, num_reqs + 1)
     query_lens = starts[1 : num_reqs + 1] - starts[:num_reqs]
     computed = compat.num_computed_tokens(common, query_lens, lengths)
     new = computed == 0

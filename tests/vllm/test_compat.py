@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -146,3 +147,35 @@ def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
     assert compat.decode_rows(common, metadata(num_decodes=4)) is None  # more rows than lengths
     assert compat.decode_rows(SimpleNamespace(), metadata()) is None
     assert compat.decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(2, dtype=torch.int32))) is None
+
+
+def _reference(tensor: torch.Tensor, num_reqs: int) -> list[int]:
+    return tensor.tolist()[:num_reqs]
+
+
+def test_host_array_reads_views_of_one_buffer_as_the_runner_refills_it(monkeypatch):
+    monkeypatch.setattr(compat, "_host_arrays", {})
+    buffer = torch.zeros(64, dtype=torch.int32)  # a runner's persistent host buffer
+    for step, num_reqs in enumerate([1, 8, 64, 5, 64, 3]):
+        buffer[:num_reqs] = torch.arange(num_reqs, dtype=torch.int32) + 100 * step  # this step's lengths
+        view = buffer[:num_reqs]  # a new view object every step
+        assert compat.host_array(view, num_reqs).tolist() == _reference(view, num_reqs)
+        # asked for fewer rows than the view has (padding left out), and for more (the view's length)
+        assert compat.host_array(view, num_reqs - 1).tolist() == _reference(view, num_reqs - 1)
+        assert compat.host_array(view, num_reqs + 7).tolist() == _reference(view, num_reqs + 7)
+
+
+def test_host_array_tells_apart_tensors_at_one_address():
+    base = torch.arange(32, dtype=torch.int32)
+    strided, as_int16 = base[::2], base.view(torch.int16)
+    for tensor in (base[:16], strided, as_int16, base[:16], strided, as_int16):
+        assert tensor.data_ptr() == base.data_ptr()
+        assert compat.host_array(tensor, 16).tolist() == _reference(tensor, 16)
+
+
+def test_host_array_with_new_arrays_every_step_starts_over(monkeypatch):
+    monkeypatch.setattr(compat, "_host_arrays", {})
+    for step in range(3 * compat._HOST_ARRAYS_KEPT):  # a runner that makes new host arrays (torch.from_numpy)
+        tensor = torch.from_numpy(np.arange(step, step + 9, dtype=np.int32))
+        assert compat.host_array(tensor, 9).tolist() == _reference(tensor, 9)
+        assert len(compat._host_arrays) <= compat._HOST_ARRAYS_KEPT
