@@ -95,23 +95,41 @@ def test_replay_poison_oracle(recurrence, pad_slot_id, scratch_slot, same_reduct
     assert stats["fresh"] and stats["history"] and stats["padding"]
 
 
+class _WithCaches(torch.nn.Module):
+    """The layer with its caches as buffers: static inputs for cudagraph trees."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+        self.conv, self.ssm = (torch.nn.Buffer(c) for c in layer.new_caches(NUM_SLOTS, device="cuda"))
+
+    def forward(self, hidden, slots):
+        return self.layer(hidden, self.conv, self.ssm, slots)
+
+
 def test_reduce_overhead_mode(same_reduction_configs):
-    class WithCaches(torch.nn.Module):  # caches as buffers: static inputs for cudagraph trees
-        def __init__(self, layer):
-            super().__init__()
-            self.layer = layer
-            self.conv, self.ssm = (torch.nn.Buffer(c) for c in layer.new_caches(NUM_SLOTS, device="cuda"))
-
-        def forward(self, hidden, slots):
-            return self.layer(hidden, self.conv, self.ssm, slots)
-
     layer = layer_for("torch")
-    model = WithCaches(layer)
+    model = _WithCaches(layer)
     rows = gdn_pass.StagedRowMetadata(8, device="cuda", pad_slot_ids=(-1,), scratch_slot=0)
     # mode="reduce-overhead" is these options; torch refuses mode and options together.
     compiled = torch.compile(model, dynamic=False, options={
         "triton.cudagraphs": True, "post_grad_custom_post_pass": gdn_pass.GDNStatePass(rows)})
-    unguarded = torch.compile(layer, dynamic=False)
+    # The reference is the same module compiled the same way, without the pass: the layer
+    # compiled alone (caches as graph inputs, no cudagraphs) is another graph, whose kernels
+    # can sum in another order (H200, a1889a3, under deterministic mode too: 7.5e-9 on
+    # outputs, 1.2e-7 on states), while the guarded graphs of the poison tests above,
+    # compiled as their reference is, were bitwise equal to it.
+    reference = _WithCaches(layer)
+    compiled_reference = torch.compile(reference, dynamic=False, options={"triton.cudagraphs": True})
+
+    def unguarded(hidden, conv, ssm, slots):  # check_result's form: caches as arguments, updated in place
+        reference.conv.copy_(conv)
+        reference.ssm.copy_(ssm)
+        out = compiled_reference(hidden, slots).clone()
+        conv.copy_(reference.conv)
+        ssm.copy_(reference.ssm)
+        return out
+
     gen = torch.Generator().manual_seed(0)
     torch._dynamo.utils.counters.clear()
     for step in range(6):
