@@ -114,11 +114,12 @@ def test_reduce_overhead_mode(same_reduction_configs):
     # mode="reduce-overhead" is these options; torch refuses mode and options together.
     compiled = torch.compile(model, dynamic=False, options={
         "triton.cudagraphs": True, "post_grad_custom_post_pass": gdn_pass.GDNStatePass(rows)})
-    # The reference is the same module compiled the same way, without the pass: the layer
-    # compiled alone (caches as graph inputs, no cudagraphs) is another graph, whose kernels
-    # can sum in another order (H200, a1889a3, under deterministic mode too: 7.5e-9 on
-    # outputs, 1.2e-7 on states), while the guarded graphs of the poison tests above,
-    # compiled as their reference is, were bitwise equal to it.
+    # The reference is the same module compiled the same way, without the pass. History rows
+    # are held to 1e-6, not bit for bit: on the H200 (790932e, deterministic mode) they
+    # differ from this reference by 7.5e-9 on outputs and 1.2e-7 on states, the figures the
+    # layer compiled alone gave too, so the pass's rewrite changes how this graph's kernels
+    # sum (the poison tests' graphs with a scratch slot stay bitwise equal). A missing guard
+    # fails on the fresh rows (poisoned state) and on slots no real row owns, both exact.
     reference = _WithCaches(layer)
     compiled_reference = torch.compile(reference, dynamic=False, options={"triton.cudagraphs": True})
 
@@ -141,7 +142,8 @@ def test_reduce_overhead_mode(same_reduction_configs):
                    state_slots=batch.slots)
         with torch.no_grad():
             out = compiled(batch.hidden.cuda(), batch.slots.cuda()).clone()
-        errors = check_result(out, (model.conv, model.ssm), unguarded, layer, before, batch, scratch_slot=0)
+        errors = check_result(out, (model.conv, model.ssm), unguarded, layer, before, batch, scratch_slot=0,
+                              history_atol=1e-6)
         assert not errors, (step, errors[:5])
     assert not torch._dynamo.utils.counters["inductor"].get("cudagraph_skips"), dict(
         torch._dynamo.utils.counters["inductor"])
