@@ -8,7 +8,8 @@ a third stream runs it (``fuzz.HARNESS_FIX``: pass off, fresh slots zeroed by
 plain indexing after each build), and the pass-on stream must equal it bit for
 bit on every request: the pass's footprint with zero tolerance, vLLM's own
 drift (align mode with prefix caching) included on both sides. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
-parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps the summaries.
+parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps each configuration's summary
+as it finishes, and a progress log.
 The benchmark form, which also writes the tables, is
 ``python benchmarks/fuzz_scheduling.py --gpu ...``.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +37,10 @@ from harness.fuzz_judge import footprint_problem, host_noise  # noqa: E402
 from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 REQUESTS = int(os.environ.get("GDN_PASS_GPU_FUZZ_REQUESTS", "2000"))
+# Engines of one configuration started at once: its three streams and four reference shards.
+# Each starts cold in a compile cache of its own (about 200 s on the H200's host); with fewer at
+# once the seventh waits for a first to finish, a second cold start.
+PARALLEL = int(os.environ.get("GDN_PASS_GPU_FUZZ_PARALLEL", "7"))
 TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
 # GDN_PASS_GPU_FUZZ_CONFIGS=bailing_linear,bailing_linear_mtp runs the Lightning builder's configurations.
 CONFIGS = tuple(c for c in os.environ.get("GDN_PASS_GPU_FUZZ_CONFIGS",
@@ -55,27 +61,38 @@ def summaries(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("gpu_fuzz")
     engine_args = dict(GPU_ENGINE, **({"tensor_parallel_size": TP, "disable_custom_all_reduce": True}
                                       if TP > 1 else {}))
+    results = Path(os.environ["GDN_PASS_GPU_RESULTS"]) if os.environ.get("GDN_PASS_GPU_RESULTS") else None
+    if results is not None:
+        results.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+
+    def progress(config: str, message: str) -> None:
+        # Each phase as it starts, with its time: a group stopped by its time limit says where it was.
+        line = f"[{time.time() - started:5.0f} s] {config}: {message}"
+        print(line, flush=True)
+        if results is not None:
+            with open(results / f"gpu_fuzz_tp{TP}_progress.log", "a") as log:
+                log.write(line + "\n")
 
     def one(config):
         kind = fz.CONFIG_CHECKPOINT.get(config, "qwen3_next")
         model = write_checkpoint(kind, workdir / f"tiny_{kind}", seed=0)
         try:
-            return config, fz.fuzz(model, workdir, seed=0, num_requests=REQUESTS, config=config,
-                                   guards=GUARDS[config],
-                                   engine_args={**engine_args, **fz.GPU_ENGINE_CONFIGS.get(config, {})},
-                                   parallel=6, reference_shards=4, engine_env=gpu_engine_env(workdir),
-                                   repeat_baseline_if_perturbed=True,
-                                   progress=lambda m: print(m, flush=True))
+            summary = fz.fuzz(model, workdir, seed=0, num_requests=REQUESTS, config=config,
+                              guards=GUARDS[config],
+                              engine_args={**engine_args, **fz.GPU_ENGINE_CONFIGS.get(config, {})},
+                              parallel=PARALLEL, reference_shards=4, engine_env=gpu_engine_env(workdir),
+                              repeat_baseline_if_perturbed=True,
+                              progress=lambda m: progress(config, m))
         except RuntimeError as e:
-            return config, dict(error=str(e)[-3000:])
+            summary = dict(error=str(e)[-3000:])
+        progress(config, "done")
+        if results is not None:  # as each configuration finishes: a later one may run out of time
+            (results / f"gpu_fuzz_tp{TP}_{config}.json").write_text(json.dumps(summary, indent=1))
+        return config, summary
 
     with ThreadPoolExecutor(len(CONFIGS)) as pool:
-        out = dict(pool.map(one, CONFIGS))
-    if os.environ.get("GDN_PASS_GPU_RESULTS"):
-        path = Path(os.environ["GDN_PASS_GPU_RESULTS"]) / f"gpu_fuzz_tp{TP}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(out, indent=1))
-    return out
+        return dict(pool.map(one, CONFIGS))
 
 
 @pytest.mark.parametrize("config", CONFIGS)
