@@ -85,7 +85,9 @@ def plot_engine_cost(results: Path, plt) -> Path:
     xs = range(len(labels))
     width = 0.38
     for i, (variant, label) in enumerate(_ENGINE_VARIANTS):
-        ratios = [[t / u for t, u in zip(r["samples"][variant], r["samples"]["unguarded"])] for r in rows]
+        # per-round ratios; a table parsed from a run's printout keeps only their lowest and highest
+        ratios = [[t / u for t, u in zip(r["samples"][variant], r["samples"]["unguarded"])] if "samples" in r
+                  else r["round_ranges"][variant] for r in rows]
         mid = [r[f"{variant}_ratio"] for r in rows]
         ax.bar([x + (i - 0.5) * width for x in xs], mid, width, label=label,
                yerr=[[m - min(rs) for m, rs in zip(mid, ratios)], [max(rs) - m for m, rs in zip(mid, ratios)]],
