@@ -669,6 +669,11 @@ def main() -> int:
     result = run(args, save)
     save(result)
     print(render(result))
+    # The rounds themselves, on one line of the output too: a device call's output comes back
+    # even where its files do not (H200, a1889a3: the table above was all that came back).
+    print("rounds, ms per step: " + json.dumps(
+        {r["case"]: {k: r[k] for k in ("samples", "typical_samples") if k in r} for r in result["rows"]},
+        separators=(",", ":")))
     return 0
 
 
