@@ -67,9 +67,9 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, first_token_mismatch, fresh_reads,
-                                fresh_reads_other_builders, largest_shift, one_token_paths, perturbed_by_pass,
-                                resume_points, resumed_drift)
+from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, engine_drift, first_token_mismatch,
+                                fresh_reads, fresh_reads_other_builders, largest_shift, one_token_paths,
+                                perturbed_by_pass, resume_points, resumed_drift)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
            "HARNESS_FIX", "CLEAN_OFF"]
@@ -429,8 +429,10 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     variables per engine (e.g. its own compile caches); ``trace_detail`` keeps
     every step's rows in the streams' raw results; ``repeat_baseline_if_perturbed``:
     where the pass moved a request against the baseline, run the baseline
-    stream once more, to tell the host's own run-to-run noise from a
-    footprint of the pass (``summary["baseline_repeat"]``); ``pass_on``: which
+    stream and the pass-on stream once more, each in a new engine, to tell the
+    host's run-to-run noise (``summary["baseline_repeat"]``) and the engine's
+    own drift (``summary["engine_drift"]``: moved requests the second pass-on
+    engine gives exactly as the baseline) from a footprint of the pass; ``pass_on``: which
     pass-on stream of ``guards`` is compared with the pass-off one. With
     ``HARNESS_FIX`` among ``guards``, the pass's footprint is judged against
     that stream (every request, bit for bit); else against ``CLEAN_OFF`` where
@@ -618,16 +620,29 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))
         summary["largest_shift_by_pass"] = largest_shift(base_run, on_run, acted_on | residue)
         if perturbed and repeat_baseline_if_perturbed:
-            # The baseline stream once more, in a new engine: bit for bit what it gave
-            # before, unless this host's numerics are not reproducible from run to run.
-            progress(f"pass on moved requests against {baseline}: that stream once more ...")
-            name = f"stream_{config}_s{seed}_{baseline}_again"
-            again = _run_engines([(stream_specs[baseline], name)], workdir, python, parallel,
-                                 engine_env)[name]["results"]
-            repeat = perturbed_by_pass(base_run, again, acted_on | residue)
+            # The baseline stream and the pass-on stream once more, each in a new engine, side by
+            # side. The baseline again: bit for bit what it gave before, unless this host's
+            # numerics are not reproducible from run to run. Pass on again: a request it now gives
+            # exactly as the baseline did is not the pass's doing but the engine's own drift (H200,
+            # vLLM 0.26: of five engines running one preemption stream, one pass-on engine moved
+            # the same three requests, the other pass-on engine equalled the three pass-off ones bit
+            # for bit; benchmarks/results/fuzz_engine_drift_gpu.md).
+            progress(f"pass on moved requests against {baseline}: that stream and pass on once more ...")
+            names = {g: f"stream_{config}_s{seed}_{g}_again" for g in (baseline, pass_on)}
+            again = _run_engines([(stream_specs[g], name) for g, name in names.items()], workdir, python,
+                                 parallel, engine_env)
+            base_again, on_again = again[names[baseline]], again[names[pass_on]]
+            left_out = acted_on | residue
+            repeat = perturbed_by_pass(base_run, base_again["results"], left_out)
             summary["baseline_repeat"] = dict(
                 perturbed=dict(sorted(repeat.items(), key=lambda kv: int(kv[0][1:]))),
-                largest_shift=largest_shift(base_run, again, acted_on | residue))
+                largest_shift=largest_shift(base_run, base_again["results"], left_out))
+            left_out |= set(fresh_reads(on_again)) | set(fresh_reads_other_builders(on_again))
+            on_repeat = perturbed_by_pass(base_run, on_again["results"], left_out)
+            summary["pass_on_repeat"] = dict(
+                perturbed=dict(sorted(on_repeat.items(), key=lambda kv: int(kv[0][1:]))),
+                largest_shift=largest_shift(base_run, on_again["results"], left_out))
+            summary["engine_drift"] = engine_drift(perturbed, on_repeat)
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 

@@ -32,7 +32,8 @@ class FuzzRequest(Protocol):
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
            "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads",
-           "fresh_reads_other_builders", "logprob_drift", "perturbed_by_pass", "largest_shift", "first_token_mismatch"]
+           "fresh_reads_other_builders", "logprob_drift", "perturbed_by_pass", "largest_shift", "first_token_mismatch",
+           "engine_drift", "footprint_problem", "host_noise"]
 
 NEAR_TIE_TOL = 0.1  # a differing token where the reference's top two were closer is a near tie
 # Matching tokens whose logprobs differ by more than this are a mismatch. The
@@ -213,6 +214,20 @@ def largest_shift(off: dict[str, dict], on: dict[str, dict], acted_on: set[str])
     return shift
 
 
+def engine_drift(perturbed: dict[str, int], on_repeat: dict[str, int]) -> dict[str, int]:
+    """Of the requests the pass-on stream moved (``perturbed``: rid -> first position), those a second
+    pass-on engine gave exactly as the baseline did (not in ``on_repeat``, that engine's moves).
+
+    A footprint of the pass is its code acting on a request: the same stream
+    and schedule in another engine with the same configuration repeat it. A
+    move that the same configuration does not repeat is the engine's own:
+    vLLM's compiled kernels can differ from one engine to the next (on the
+    H200 one engine of five, pass on or off, computed a few prefills
+    differently, the same requests each time).
+    """
+    return {rid: pos for rid, pos in perturbed.items() if rid not in on_repeat}
+
+
 def footprint_problem(summary: dict) -> str | None:
     """Why the pass-on stream of a ``fuzz`` summary fails its footprint check, or None: it passes.
 
@@ -224,35 +239,60 @@ def footprint_problem(summary: dict) -> str | None:
     the guard did not act on and the baseline did not run fresh on a slot-reading
     path (on hosts whose numerics depend on the other rows of a batch, the fixed
     rows' new tokens move them too). Where the pass moved a request, the
-    fuzz ran the baseline once more (``repeat_baseline_if_perturbed``): if that
-    run is bit-identical to the first, the move is the pass's doing and this
-    fails; if the host moved requests between two runs of one engine
-    configuration too, bit for bit is out of reach there, and the pass's moves
-    must stay within ``DRIFT_TOL`` (the caller should say so: ``host_noise``).
+    fuzz ran the baseline and the pass-on stream once more, each in a new engine
+    (``repeat_baseline_if_perturbed``):
+
+    - every moved request came out of the second pass-on engine exactly as the
+      baseline gave it (``engine_drift``) and none moved by more than
+      ``DRIFT_TOL``: the engine's own drift, the check passes (``host_noise`` says so);
+    - else, if the baseline repeated itself bit for bit, a move the pass-on
+      configuration repeats is the pass's doing and this fails;
+    - if the host moved requests between two runs of the baseline too, bit for
+      bit is out of reach there, and the pass's moves must stay within
+      ``DRIFT_TOL``.
     """
     perturbed = summary["perturbed_by_pass"]
     if not perturbed:
         return None
     repeat = summary.get("baseline_repeat")
+    shift = summary["largest_shift_by_pass"]
     detail = (f"pass on vs {summary['footprint_baseline']}: {len(perturbed)} request(s) moved, first "
-              f"positions {perturbed}, largest |logprob shift| {summary['largest_shift_by_pass']:.3g}")
+              f"positions {perturbed}, largest |logprob shift| {shift:.3g}")
     if repeat is None:
         return detail + "; the baseline was not run again, so the host's own noise cannot be told apart"
     detail += (f"; that baseline twice: {len(repeat['perturbed'])} moved, largest "
                f"{repeat['largest_shift']:.3g}")
+    drift = summary.get("engine_drift")
+    if drift is not None:
+        repeated = sorted(set(perturbed) - set(drift), key=lambda rid: int(rid[1:]))
+        detail += f"; pass on again: {len(repeated)} of them moved again {repeated}"
+        if not repeated:
+            if shift <= DRIFT_TOL:
+                return None
+            return (f"a move beyond DRIFT_TOL={DRIFT_TOL} that a second pass-on engine did not repeat "
+                    f"(a guard acting on some runs only?): " + detail)
     if not repeat["perturbed"]:
         return "the pass changed logprobs it must leave alone (" + detail + ")"
-    if summary["largest_shift_by_pass"] > DRIFT_TOL:
+    if shift > DRIFT_TOL:
         return f"beyond DRIFT_TOL={DRIFT_TOL} on a host that does not repeat itself: " + detail
     return None
 
 
 def host_noise(summary: dict) -> str | None:
-    """Where the footprint passed only within ``DRIFT_TOL`` (the host does not reproduce a run bit for
-    bit), what to warn about; else None."""
-    if summary["perturbed_by_pass"] and summary.get("baseline_repeat", {}).get("perturbed"):
-        return (f"this host does not reproduce a run bit for bit; footprint judged against DRIFT_TOL: "
-                f"pass on vs {summary['footprint_baseline']} moved {len(summary['perturbed_by_pass'])}, "
-                f"largest {summary['largest_shift_by_pass']:.3g}; the baseline twice moved "
-                f"{len(summary['baseline_repeat']['perturbed'])}")
-    return None
+    """Where the footprint check passed short of bit for bit (the engine's own drift, or a host that
+    does not reproduce a run), what to warn about; else None."""
+    perturbed = summary["perturbed_by_pass"]
+    if not perturbed:
+        return None
+    notes = []
+    drift = summary.get("engine_drift")
+    if drift and set(drift) == set(perturbed):
+        notes.append(f"engine drift, not the pass: pass on vs {summary['footprint_baseline']} moved "
+                     f"{len(perturbed)} request(s) {drift} (largest {summary['largest_shift_by_pass']:.3g}), "
+                     f"and a second pass-on engine gave each of them exactly as the baseline")
+    if summary.get("baseline_repeat", {}).get("perturbed"):
+        notes.append(f"this host does not reproduce a run bit for bit; footprint judged against DRIFT_TOL: "
+                     f"pass on vs {summary['footprint_baseline']} moved {len(perturbed)}, "
+                     f"largest {summary['largest_shift_by_pass']:.3g}; the baseline twice moved "
+                     f"{len(summary['baseline_repeat']['perturbed'])}")
+    return "; ".join(notes) or None

@@ -7,7 +7,9 @@ share the GPU. Where the harness's own fix can run (no speculative rows),
 a third stream runs it (``fuzz.HARNESS_FIX``: pass off, fresh slots zeroed by
 plain indexing after each build), and the pass-on stream must equal it bit for
 bit on every request: the pass's footprint with zero tolerance, vLLM's own
-drift (align mode with prefix caching) included on both sides. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
+drift (align mode with prefix caching) included on both sides. Where pass on moved a request, the
+baseline and pass on run again in new engines: a move the second pass-on engine does not repeat is the
+engine's own (``fuzz_judge.engine_drift``; warned, not failed). With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
 parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps each configuration's summary
 as it finishes, and a progress log.
 The benchmark form, which also writes the tables, is
