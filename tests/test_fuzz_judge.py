@@ -287,15 +287,17 @@ def test_a_request_that_reads_what_the_caches_held_before_the_stream_is_not_the_
         assert s["largest_shift_by_pass"] == 0.0 and footprint_problem(s) is None
 
 
+@pytest.mark.parametrize("acted_on", [False, True], ids=["not-acted-on", "acted-on"])
 @pytest.mark.parametrize("repeated", [False, True])
-def test_the_fuzz_runs_pass_on_again_where_it_moved_a_request(tmp_path, monkeypatch, repeated):
+def test_the_fuzz_runs_pass_on_again_where_it_moved_a_request(tmp_path, monkeypatch, repeated, acted_on):
     """Where pass on moved a request against the harness's fix, the fix and pass on run once more: a
     move the second pass-on engine does not repeat is the engine's drift (the check passes), one it
-    repeats bit for bit is the pass's."""
+    repeats bit for bit is the pass's, on a request the guard acted on too (against the harness's
+    fix every request is compared)."""
     from harness import fuzz as fz
 
     def streams(stream, ref):
-        moved, fixed = stream[3].rid, stream[1].rid
+        moved, fixed = stream[1 if acted_on else 3].rid, stream[1].rid
         fix = _stream_outputs(stream, ref, fresh={fixed: "decode"})
         on = _stream_outputs(stream, ref, changed={moved: 0.03125}, fresh={fixed: "decode"})
         return {"off": _stream_outputs(stream, ref, changed={fixed: 3.0}, fresh={fixed: "decode"}),
@@ -304,7 +306,7 @@ def test_the_fuzz_runs_pass_on_again_where_it_moved_a_request(tmp_path, monkeypa
 
     stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.HARNESS_FIX), streams,
                        repeat_baseline_if_perturbed=True)
-    moved = stream[3].rid
+    moved = stream[1 if acted_on else 3].rid
     assert s["footprint_baseline"] == fz.HARNESS_FIX and s["perturbed_by_pass"] == {moved: 0}
     assert s["baseline_repeat"] == dict(perturbed={}, largest_shift=0.0)
     if repeated:
