@@ -14,7 +14,8 @@ cache of its own (as the fuzz's engines do), and compares every pair:
 
 A move that the pass makes shows up against every baseline engine in both
 pass-on engines; one engine's drift shows up in the pairs with that engine
-only. Requests a guard acted on (or a baseline read stale) are left out, as
+only. Engines that fix the bug are compared on every request; against pass
+off, the requests a guard acted on (or pass off read stale) are left out, as
 in the fuzz. GPU engines (vLLM 0.26 bundle on the H200, ``../shared/gpu-vllm``):
 
     python benchmarks/fuzz_engine_drift.py [--requests 80] [--limit 320] [--out DIR]
@@ -52,16 +53,17 @@ def _read_fresh(run: dict) -> set[str]:
 
 def compare(runs: dict[str, dict]) -> dict[str, dict]:
     """Every pair of one configuration's engines: requests moved (rid -> first position) and the
-    largest logprob shift, over the requests no pass-on engine acted on (and, in pairs with a pass-off
-    engine, that it did not read stale)."""
+    largest logprob shift. Two engines that both fix the bug (pass on, the harness's fix) are compared
+    on every request; a pair with a pass-off engine leaves out the requests a pass-on engine acted on
+    and those the pass-off engine read stale (the bug's, not drift)."""
     acted = set().union(*(_read_fresh(run) for name, run in runs.items() if name.startswith("on")))
     names, pairs = list(runs), {}
     for i, a in enumerate(names):
         for b in names[i + 1:]:
-            left_out = set(acted)
+            left_out = set()
             for name in (a, b):
                 if ENGINES[name] in (("off", None), ("off", "zeroed_at_start")):
-                    left_out |= _read_fresh(runs[name])
+                    left_out |= acted | _read_fresh(runs[name])
             moved = perturbed_by_pass(runs[a]["results"], runs[b]["results"], left_out)
             pairs[f"{a} vs {b}"] = dict(
                 moved=dict(sorted(moved.items(), key=lambda kv: int(kv[0][1:]))),
