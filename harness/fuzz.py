@@ -416,6 +416,14 @@ def _row_kind_totals(traces: list[dict]) -> dict:
     return dict(first, ranks=len(traces), ranks_agree=agree)
 
 
+def _moved_ids(moved: dict[str, int], limit: int = 8) -> str:
+    """``q50 #0, q51 #0, ...``: the moved requests and their first moved positions, for the progress log
+    (kept even where a time limit stops the reruns that judge them)."""
+    items = sorted(moved.items(), key=lambda kv: int(kv[0][1:]))
+    text = ", ".join(f"{rid} #{pos}" for rid, pos in items[:limit])
+    return text + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
+
+
 def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: str,
          guards=("off", "on"), python: str = sys.executable, progress=print,
          engine_args: dict | None = None, parallel: int = 1, reference_shards: int = 1,
@@ -432,7 +440,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     stream and the pass-on stream once more, each in a new engine, to tell the
     host's run-to-run noise (``summary["baseline_repeat"]``) and the engine's
     own drift (``summary["engine_drift"]``: moved requests the second pass-on
-    engine gives exactly as the baseline) from a footprint of the pass; ``pass_on``: which
+    engine gives exactly as the baseline; ``summary["pass_on_vs_baseline_again"]``: what the
+    baseline's second engine gave differently from the first pass-on engine) from a footprint
+    of the pass; ``pass_on``: which
     pass-on stream of ``guards`` is compared with the pass-off one. With
     ``HARNESS_FIX`` among ``guards``, the pass's footprint is judged against
     that stream (every request, bit for bit); else against ``CLEAN_OFF`` where
@@ -627,7 +637,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             # vLLM 0.26: of five engines running one preemption stream, one pass-on engine moved
             # the same three requests, the other pass-on engine equalled the three pass-off ones bit
             # for bit; benchmarks/results/fuzz_engine_drift_gpu.md).
-            progress(f"pass on moved requests against {baseline}: that stream and pass on once more ...")
+            progress(f"pass on moved {len(perturbed)} request(s) against {baseline} "
+                     f"({_moved_ids(perturbed)}; largest {summary['largest_shift_by_pass']:.3g}): "
+                     "that stream and pass on once more ...")
             names = {g: f"stream_{config}_s{seed}_{g}_again" for g in (baseline, pass_on)}
             again = _run_engines([(stream_specs[g], name) for g, name in names.items()], workdir, python,
                                  parallel, engine_env)
@@ -644,6 +656,12 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                 perturbed=dict(sorted(on_repeat.items(), key=lambda kv: int(kv[0][1:]))),
                 largest_shift=largest_shift(base_run, on_again["results"], left_out))
             summary["engine_drift"] = engine_drift(perturbed, on_repeat)
+            # where the baseline's second engine moved too: did it land where the first pass-on
+            # engine did (an engine without the pass giving the pass-on output bit for bit)?
+            split = perturbed_by_pass(on_run, base_again["results"], left_out)
+            summary["pass_on_vs_baseline_again"] = dict(
+                perturbed=dict(sorted(split.items(), key=lambda kv: int(kv[0][1:]))),
+                largest_shift=largest_shift(on_run, base_again["results"], left_out))
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 

@@ -290,9 +290,17 @@ def host_noise(summary: dict) -> str | None:
         notes.append(f"engine drift, not the pass: pass on vs {summary['footprint_baseline']} moved "
                      f"{len(perturbed)} request(s) {drift} (largest {summary['largest_shift_by_pass']:.3g}), "
                      f"and a second pass-on engine gave each of them exactly as the baseline")
-    if summary.get("baseline_repeat", {}).get("perturbed"):
+    repeat = summary.get("baseline_repeat", {}).get("perturbed")
+    if repeat:
+        # the moves the baseline's second engine made too, where it landed as the first pass-on engine did
+        split = summary.get("pass_on_vs_baseline_again", {}).get("perturbed")
+        alike = [] if split is None else sorted(set(perturbed) & set(repeat) - set(split),
+                                               key=lambda rid: int(rid[1:]))
+        if alike:
+            notes.append(f"the baseline's second engine gave {len(alike)} of them ({', '.join(alike)}) "
+                         "exactly as the first pass-on engine: engines split on them with or without the pass")
         notes.append(f"this host does not reproduce a run bit for bit; footprint judged against DRIFT_TOL: "
                      f"pass on vs {summary['footprint_baseline']} moved {len(perturbed)}, "
                      f"largest {summary['largest_shift_by_pass']:.3g}; the baseline twice moved "
-                     f"{len(summary['baseline_repeat']['perturbed'])}")
+                     f"{len(repeat)}")
     return "; ".join(notes) or None

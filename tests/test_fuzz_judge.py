@@ -315,3 +315,40 @@ def test_the_fuzz_runs_pass_on_again_where_it_moved_a_request(tmp_path, monkeypa
     else:
         assert s["pass_on_repeat"] == dict(perturbed={}, largest_shift=0.0) and s["engine_drift"] == {moved: 0}
         assert footprint_problem(s) is None and "engine drift" in host_noise(s)
+
+
+@pytest.mark.parametrize("baseline_again_lands", ["as-pass-on", "elsewhere"])
+def test_a_baseline_engine_that_moves_the_same_requests_is_compared_with_the_pass_on_engine(
+        tmp_path, monkeypatch, baseline_again_lands):
+    """The H200's preemption stream at 2380667: the first pass-on engine moved a request against the
+    harness's fix, the second pass-on engine gave it as the fix, and the fix's second engine moved it
+    too. Where that engine gave it exactly as the first pass-on engine, the summary and the warning
+    say so (an engine without the pass computing the pass-on output); the progress log names the
+    moved request before the reruns (a time limit can stop them)."""
+    from harness import fuzz as fz
+
+    def streams(stream, ref):
+        moved, fixed = stream[3].rid, stream[1].rid
+        fix = _stream_outputs(stream, ref, fresh={fixed: "decode"})
+        on = _stream_outputs(stream, ref, changed={moved: 0.03125}, fresh={fixed: "decode"})
+        shift = 0.03125 if baseline_again_lands == "as-pass-on" else 0.0625
+        return {"off": _stream_outputs(stream, ref, changed={fixed: 3.0}, fresh={fixed: "decode"}),
+                "on": on, fz.HARNESS_FIX: fix,
+                f"{fz.HARNESS_FIX}_again": _stream_outputs(stream, ref, changed={moved: shift},
+                                                           fresh={fixed: "decode"}),
+                "on_again": fix}
+
+    log = []
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.HARNESS_FIX), streams,
+                       repeat_baseline_if_perturbed=True, progress=log.append)
+    moved = stream[3].rid
+    assert any(f"pass on moved 1 request(s) against {fz.HARNESS_FIX} ({moved} #0;" in line for line in log)
+    assert s["perturbed_by_pass"] == {moved: 0} and s["engine_drift"] == {moved: 0}
+    assert s["baseline_repeat"]["perturbed"] == {moved: 0}
+    assert footprint_problem(s) is None  # within DRIFT_TOL on a host that does not repeat itself
+    if baseline_again_lands == "as-pass-on":
+        assert s["pass_on_vs_baseline_again"] == dict(perturbed={}, largest_shift=0.0)
+        assert f"gave 1 of them ({moved}) exactly as the first pass-on engine" in host_noise(s)
+    else:
+        assert s["pass_on_vs_baseline_again"] == dict(perturbed={moved: 0}, largest_shift=0.03125)
+        assert "exactly as the first pass-on engine" not in host_noise(s)
