@@ -18,10 +18,14 @@ other one at its first), one prefill runs on seeded inputs, and its outputs
 (the chunk output and the final state) are compared bit for bit with those of
 every kernel at its first configuration:
 
-    python benchmarks/fla_autotune_bits.py [--lengths 192 17] [--heads 2] [--dim 64] [--out DIR]
+    python benchmarks/fla_autotune_bits.py [--lengths 192 17] [--heads 2] [--dim 64]
+        [--kernels chunk_o chunk_delta_h] [--out DIR]
 
 The defaults are the preemption fuzz's small-state checkpoint (2 value heads of
-64, one key head repeated) and a step the fuzz saw move (192 + 17 tokens). Needs
+64, one key head repeated) and a step the fuzz saw move (192 + 17 tokens);
+``--kernels`` keeps the kernels whose names contain one of the words. Where the
+configurations do differ, the fuzz's engines can choose by order instead of by
+timing (``GDN_PASS_FUZZ_FLA_BY_ORDER=1``, ``harness/fla_autotune.py``). Needs
 CUDA and vLLM.
 """
 
@@ -38,38 +42,10 @@ from typing import Callable, Iterator
 
 import torch
 
-# vLLM's copy of flash-linear-attention: the modules whose kernels GDN's chunk prefill calls
-FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
-FLA_MODULES = ("cumsum", "chunk_scaled_dot_kkt", "solve_tril", "wy_fast", "chunk_delta_h", "chunk_o", "l2norm")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def _autotuner_class():
-    from triton.runtime.autotuner import Autotuner
-
-    return Autotuner
-
-
-def find_autotuner(kernel):
-    """The ``Autotuner`` inside ``kernel`` (under ``@triton.heuristics`` wrappers too), or None."""
-    autotuner = _autotuner_class()
-    seen = 0
-    while kernel is not None and seen < 8:
-        if isinstance(kernel, autotuner):
-            return kernel
-        kernel, seen = getattr(kernel, "fn", None), seen + 1
-    return None
-
-
-def autotuned_kernels(modules) -> dict[str, object]:
-    """``module.kernel`` -> its ``Autotuner``, for every autotuned kernel the modules define."""
-    found, seen = {}, set()
-    for module in modules:
-        for name, value in vars(module).items():
-            tuner = find_autotuner(value)
-            if tuner is not None and id(tuner) not in seen:  # a kernel imported elsewhere: once
-                seen.add(id(tuner))
-                found[f"{module.__name__.rsplit('.', 1)[-1]}.{name}"] = tuner
-    return found
+from harness.fla_autotune import FLA_OPS, vllm_fla_kernels  # noqa: E402
 
 
 def describe(config) -> str:
@@ -129,7 +105,6 @@ def gdn_prefill(lengths: list[int], heads: int, dim: int, seed: int = 0):
     initial states, bf16 inputs, fp32 state): returns ``run() -> (output, final_state)`` and the
     autotuned kernels it goes through."""
     ops = importlib.import_module(f"{FLA_OPS}.chunk")
-    modules = [importlib.import_module(f"{FLA_OPS}.{m}") for m in FLA_MODULES]
     total = sum(lengths)
     gen = torch.Generator(device="cuda").manual_seed(seed)
 
@@ -151,7 +126,7 @@ def gdn_prefill(lengths: list[int], heads: int, dim: int, seed: int = 0):
         torch.cuda.synchronize()
         return out, final
 
-    return run, autotuned_kernels(modules)
+    return run, vllm_fla_kernels()
 
 
 def main() -> int:
@@ -160,6 +135,7 @@ def main() -> int:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kernels", nargs="*", default=None, help="only kernels whose names contain one of these")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -167,6 +143,11 @@ def main() -> int:
         return 0
     start = time.time()
     run, tuners = gdn_prefill(args.lengths, args.heads, args.dim, args.seed)
+    if args.kernels:
+        tuners = {name: t for name, t in tuners.items() if any(word in name for word in args.kernels)}
+    if not tuners:
+        print("no autotuned flash-linear-attention kernel found (or none left by --kernels)", file=sys.stderr)
+        return 1
     result = config_bits(run, tuners)
     result.update(lengths=args.lengths, heads=args.heads, dim=args.dim, seed=args.seed,
                   device=torch.cuda.get_device_name(), wall_s=round(time.time() - start, 1))

@@ -9,7 +9,10 @@ plain indexing after each build), and the pass-on stream must equal it bit for
 bit on every request: the pass's footprint with zero tolerance, vLLM's own
 drift (align mode with prefix caching) included on both sides. Where pass on moved a request, the
 baseline and pass on run again in new engines: a move the second pass-on engine does not repeat is the
-engine's own (``fuzz_judge.engine_drift``; warned, not failed). With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
+engine's own (``fuzz_judge.engine_drift``; warned, not failed). With ``GDN_PASS_FUZZ_FLA_BY_ORDER=1``
+every engine's autotuned flash-linear-attention kernels keep the first configuration that runs, not
+the fastest (``harness/fla_autotune.py``), and the baseline must then repeat itself bit for bit: the
+footprint at zero tolerance, with no engine drift to excuse. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
 parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps each configuration's summary
 as it finishes, and a progress log.
 The benchmark form, which also writes the tables, is
@@ -48,6 +51,7 @@ TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
 CONFIGS = tuple(c for c in os.environ.get("GDN_PASS_GPU_FUZZ_CONFIGS",
                                           "preempt_prefix_hits,mtp,bad_input_under_load").split(",") if c)
 SPECULATIVE = {"mtp", "bailing_linear_mtp"}
+FLA_BY_ORDER = os.environ.get(fz.FLA_BY_ORDER_ENV, "0") not in ("", "0")
 # The harness's fix zeroes no speculative row: MTP's footprint is judged against pass off on
 # an engine whose caches were zeroed after start-up (fz.CLEAN_OFF: no warm-up residue).
 GUARDS = {config: ("off", "on", fz.CLEAN_OFF) if config in SPECULATIVE else ("off", "on", fz.HARNESS_FIX)
@@ -57,6 +61,9 @@ GUARDS = {config: ("off", "on", fz.CLEAN_OFF) if config in SPECULATIVE else ("of
 @pytest.fixture(scope="module")
 def summaries(tmp_path_factory):
     import torch
+
+    if FLA_BY_ORDER and TP != 1:  # the choice is made in the engine's process, where TP1 runs its worker
+        pytest.fail(f"{fz.FLA_BY_ORDER_ENV} applies to TP1 engines only (GDN_PASS_GPU_FUZZ_TP={TP})")
 
     if torch.cuda.device_count() < TP:
         pytest.skip(f"tensor_parallel_size={TP} needs {TP} GPUs")
@@ -131,6 +138,11 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     assert s["footprint_baseline"] == (fz.CLEAN_OFF if config in SPECULATIVE else fz.HARNESS_FIX)
     problem = footprint_problem(s)
     assert problem is None, problem
+    if FLA_BY_ORDER:
+        assert all(run["fla_kernels_by_order"] > 0 for run in s["runs"].values()), \
+            f"{fz.FLA_BY_ORDER_ENV} set, but an engine's flash-linear-attention kernels still choose by timing"
+        assert not s.get("baseline_repeat", {}).get("perturbed"), \
+            f"with the kernels' choice fixed the baseline did not repeat itself: {s['baseline_repeat']}"
     if host_noise(s):
         warnings.warn(host_noise(s))
     if s["moved_by_residue"]:  # read what a cache held before the stream; pass on = pass off
