@@ -19,7 +19,7 @@ other one at its first), one prefill runs on seeded inputs, and its outputs
 every kernel at its first configuration:
 
     python benchmarks/fla_autotune_bits.py [--lengths 192 17] [--heads 2] [--dim 64]
-        [--kernels chunk_o chunk_delta_h] [--out DIR]
+        [--kernels chunk_o chunk_delta_h] [--limit-s 150] [--out DIR]
 
 The defaults are the preemption fuzz's small-state checkpoint (2 value heads of
 64, one key head repeated) and a step the fuzz saw move (192 + 17 tokens);
@@ -72,15 +72,21 @@ def pinned(tuners: dict[str, object], choice: dict[str, int]) -> Iterator[None]:
             tuner.cache.update(cache)
 
 
-def config_bits(run: Callable[[], tuple[torch.Tensor, ...]], tuners: dict[str, object]) -> dict:
+def config_bits(run: Callable[[], tuple[torch.Tensor, ...]], tuners: dict[str, object],
+                limit_s: float | None = None) -> dict:
     """Run ``run`` with every tuner at its first configuration, then each tuner at each of its
     others; per configuration, whether each output equals the first's bit for bit and by how much
-    it differs. ``run`` returns the outputs to compare (a tuple of tensors)."""
+    it differs. ``run`` returns the outputs to compare (a tuple of tensors). After ``limit_s``
+    seconds no further configuration is tried (each is a compile): ``complete`` says whether all were."""
+    deadline = None if limit_s is None else time.monotonic() + limit_s
     with pinned(tuners, {}):
         base = [t.detach().clone() for t in run()]
-    rows = []
+    rows, complete = [], True
     for name, tuner in tuners.items():
         for index, config in enumerate(tuner.configs):
+            if index and deadline is not None and time.monotonic() > deadline:
+                complete = False
+                break
             row = dict(kernel=name, index=index, config=describe(config))
             if index == 0:
                 row.update(same=True, differing=[0] * len(base), largest=[0.0] * len(base))
@@ -97,7 +103,7 @@ def config_bits(run: Callable[[], tuple[torch.Tensor, ...]], tuners: dict[str, o
         k["configs"] += 1
         k["differ"] += not row["same"]
         k["largest"] = [max(a, b) for a, b in zip(k["largest"], row["largest"])]
-    return dict(rows=rows, kernels=kernels)
+    return dict(rows=rows, kernels=kernels, complete=complete)
 
 
 def gdn_prefill(lengths: list[int], heads: int, dim: int, seed: int = 0):
@@ -136,6 +142,7 @@ def main() -> int:
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kernels", nargs="*", default=None, help="only kernels whose names contain one of these")
+    parser.add_argument("--limit-s", type=float, default=None, help="try no further configuration after this")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -148,13 +155,14 @@ def main() -> int:
     if not tuners:
         print("no autotuned flash-linear-attention kernel found (or none left by --kernels)", file=sys.stderr)
         return 1
-    result = config_bits(run, tuners)
+    result = config_bits(run, tuners, args.limit_s)
     result.update(lengths=args.lengths, heads=args.heads, dim=args.dim, seed=args.seed,
                   device=torch.cuda.get_device_name(), wall_s=round(time.time() - start, 1))
     print(f"{'kernel':48} configs  differ  largest |diff| (output, state)")
     for name, k in result["kernels"].items():
         print(f"{name:48} {k['configs']:7d} {k['differ']:7d}  {k['largest'][0]:.3g}, {k['largest'][1]:.3g}")
-    print(f"{len(result['rows'])} configurations in {result['wall_s']} s")
+    print(f"{len(result['rows'])} configurations in {result['wall_s']} s"
+          + ("" if result["complete"] else f" (stopped at --limit-s {args.limit_s}: not all tried)"))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "fla_autotune_bits.json").write_text(json.dumps(result, indent=1))

@@ -67,6 +67,7 @@ def interpreted_cases() -> dict:
     tuner = find_autotuner(tuned)
     before = list(tuner.configs)
     report = config_bits(lambda: (launch(tuned),), {"rowsum": tuner})
+    cut = config_bits(lambda: (launch(tuned),), {"rowsum": tuner}, limit_s=0)
     restored = tuner.configs == before and tuner.cache == {}
 
     tuner.cache[(256,)] = before[3]
@@ -91,7 +92,7 @@ def interpreted_cases() -> dict:
     module.rowsum, module.alias, module.other = tuned, tuned, 3  # alias: the same kernel twice
     found = list(autotuned_kernels([module]))
     return dict(
-        report=report, restored=restored, inside=inside, pin_restored=pin_restored, found=found,
+        report=report, cut_rows=len(cut["rows"]), cut_complete=cut["complete"], restored=restored, inside=inside, pin_restored=pin_restored, found=found,
         timed_choice=timed_choice, order_choice=order_choice, changed=changed, again=again,
         timed_equals={bk: torch.equal(timed_out, direct[bk]) for bk in BLOCKS},
         ordered_equals={bk: torch.equal(ordered_out, direct[bk]) for bk in BLOCKS},
@@ -117,6 +118,9 @@ def test_each_configuration_reports_what_a_direct_launch_with_it_gives(cases):
     kernel = cases["report"]["kernels"]["rowsum"]
     assert kernel["configs"] == 6 and kernel["differ"] == sum(differing[bk] > 0 for bk, _, _ in cases["configs"])
     assert cases["restored"]
+    assert cases["report"]["complete"]
+    # with no time left only the first configuration (the baseline) is reported, and it says so
+    assert cases["cut_rows"] == 1 and cases["cut_complete"] is False
 
 
 def test_pinning_runs_the_chosen_configuration_and_restores_the_tuner(cases):
