@@ -427,10 +427,21 @@ def _row_kind_totals(traces: list[dict]) -> dict:
     return dict(first, ranks=len(traces), ranks_agree=agree)
 
 
+def _by_request(moved: dict[str, int]) -> dict[str, int]:
+    """``moved`` (rid -> first moved position) in request order: q2 before q10."""
+    return dict(sorted(moved.items(), key=lambda kv: int(kv[0][1:])))
+
+
+def _moves(a: dict[str, dict], b: dict[str, dict], left_out: set[str]) -> dict:
+    """What two runs of one stream give differently, outside ``left_out``: the requests moved (rid ->
+    first position, bit for bit) and the largest logprob shift."""
+    return dict(perturbed=_by_request(perturbed_by_pass(a, b, left_out)), largest_shift=largest_shift(a, b, left_out))
+
+
 def _moved_ids(moved: dict[str, int], limit: int = 8) -> str:
     """``q50 #0, q51 #0, ...``: the moved requests and their first moved positions, for the progress log
     (kept even where a time limit stops the reruns that judge them)."""
-    items = sorted(moved.items(), key=lambda kv: int(kv[0][1:]))
+    items = list(_by_request(moved).items())
     text = ", ".join(f"{rid} #{pos}" for rid, pos in items[:limit])
     return text + (f", ... ({len(items) - limit} more)" if len(items) > limit else "")
 
@@ -639,7 +650,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             perturbed = {rid: pos for rid, pos in perturbed.items() if rid in moved_against_off}
         summary["moved_by_residue"] = sorted(residue, key=lambda rid: int(rid[1:]))
         summary["footprint_baseline"] = baseline
-        summary["perturbed_by_pass"] = dict(sorted(perturbed.items(), key=lambda kv: int(kv[0][1:])))
+        summary["perturbed_by_pass"] = _by_request(perturbed)
         summary["largest_shift_by_pass"] = largest_shift(base_run, on_run, acted_on | residue)
         if perturbed and repeat_baseline_if_perturbed:
             # The baseline stream and the pass-on stream once more, each in a new engine, side by
@@ -655,25 +666,16 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             names = {g: f"stream_{config}_s{seed}_{g}_again" for g in (baseline, pass_on)}
             again = _run_engines([(stream_specs[g], name) for g, name in names.items()], workdir, python,
                                  parallel, engine_env)
-            base_again, on_again = again[names[baseline]], again[names[pass_on]]
+            base_again, on_again = (again[names[g]]["results"] for g in (baseline, pass_on))
             left_out = acted_on | residue
-            repeat = perturbed_by_pass(base_run, base_again["results"], left_out)
-            summary["baseline_repeat"] = dict(
-                perturbed=dict(sorted(repeat.items(), key=lambda kv: int(kv[0][1:]))),
-                largest_shift=largest_shift(base_run, base_again["results"], left_out))
+            summary["baseline_repeat"] = _moves(base_run, base_again, left_out)
             # the same requests left out as against the first pass-on engine (same stream, same
             # schedule); against the harness's fix none is, acted-on ones included
-            on_repeat = perturbed_by_pass(base_run, on_again["results"], left_out)
-            summary["pass_on_repeat"] = dict(
-                perturbed=dict(sorted(on_repeat.items(), key=lambda kv: int(kv[0][1:]))),
-                largest_shift=largest_shift(base_run, on_again["results"], left_out))
-            summary["engine_drift"] = engine_drift(perturbed, on_repeat)
+            summary["pass_on_repeat"] = _moves(base_run, on_again, left_out)
+            summary["engine_drift"] = engine_drift(perturbed, summary["pass_on_repeat"]["perturbed"])
             # where the baseline's second engine moved too: did it land where the first pass-on
             # engine did (an engine without the pass giving the pass-on output bit for bit)?
-            split = perturbed_by_pass(on_run, base_again["results"], left_out)
-            summary["pass_on_vs_baseline_again"] = dict(
-                perturbed=dict(sorted(split.items(), key=lambda kv: int(kv[0][1:]))),
-                largest_shift=largest_shift(on_run, base_again["results"], left_out))
+            summary["pass_on_vs_baseline_again"] = _moves(on_run, base_again, left_out)
     summary["wall_s"] = round(time.time() - start, 1)
     return summary
 
