@@ -11,8 +11,9 @@ drift (align mode with prefix caching) included on both sides. Where pass on mov
 baseline and pass on run again in new engines: a move the second pass-on engine does not repeat is the
 engine's own (``fuzz_judge.engine_drift``; warned, not failed). With ``GDN_PASS_FUZZ_FLA_BY_ORDER=1``
 every engine's autotuned flash-linear-attention kernels keep the first configuration that runs, not
-the fastest (``harness/fla_autotune.py``), and pass on must then equal its baseline bit for bit: the
-footprint at zero tolerance, with no engine drift to excuse. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
+the fastest (``harness/fla_autotune.py``); every engine must have done so. It does not remove the
+engines' drift (measured on the H200, ``benchmarks/results/fla_autotune_bits_gpu.md``), so moves are
+judged by the reruns as without it. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
 parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps each configuration's summary
 as it finishes, and a progress log.
 The benchmark form, which also writes the tables, is
@@ -141,11 +142,10 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     if FLA_BY_ORDER:
         assert all(run["fla_kernels_by_order"] > 0 for run in s["runs"].values()), \
             f"{fz.FLA_BY_ORDER_ENV} set, but an engine's flash-linear-attention kernels still choose by timing"
-        # the footprint at zero tolerance: no move for engine drift (or a baseline that does not
-        # repeat itself) to excuse
-        assert not s["perturbed_by_pass"], (
-            f"with the kernels' choice fixed, pass on still moved {s['perturbed_by_pass']} "
-            f"(second pass-on engine: {s.get('pass_on_repeat')}; baseline again: {s.get('baseline_repeat')})")
+        # Choosing by order does not make engines repeat themselves: on the H200 (54e576b) every
+        # configuration of every autotuned kernel gave the same bits, and one bad-input run's first
+        # pass-on engine still moved q52 at #0 while a second pass-on engine equalled the baseline.
+        # So moves stay judged by the reruns (footprint_problem above), bit for bit, as without it.
     if host_noise(s):
         warnings.warn(host_noise(s))
     if s["moved_by_residue"]:  # read what a cache held before the stream; pass on = pass off
