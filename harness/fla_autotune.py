@@ -6,8 +6,9 @@ vLLM runs GatedDeltaNet prefills through its copy of flash-linear-attention
 ``@triton.autotune``'d: each engine times their configurations once, during
 its start-up warm-up, and keeps the fastest for every later prefill. Engines
 started together on one GPU time them under one another's load and can keep
-different configurations, which can sum in a different order
-(``benchmarks/fla_autotune_bits.py`` measures whether they do). The fuzz's
+different configurations, which could sum in a different order
+(``benchmarks/fla_autotune_bits.py`` measures whether they do; on the H200
+at the fuzz's dims none did, ``benchmarks/results/fla_autotune_bits_gpu.md``). The fuzz's
 engines are compared bit for bit, so where they must agree they can choose
 by order instead (``choose_by_order``): the first configuration of each
 kernel that compiles and runs, in every engine alike.

@@ -85,9 +85,15 @@ HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harne
 CLEAN_OFF = "off+zeroed_at_start"
 # Set (to anything but "" or "0") in the engines' environment: vLLM's autotuned flash-linear-
 # attention kernels keep the first configuration that runs instead of the fastest, in every engine
-# alike (``fla_autotune.choose_by_order``; one engine's timing must not decide its numerics).
-# Made in the engine's process: TP1 engines only, whose worker runs there.
+# alike (``fla_autotune.choose_by_order``). Made in the engine's process: TP1 engines only, whose
+# worker runs there. On the H200 the configurations gave the same bits and engines still split
+# (benchmarks/results/fla_autotune_bits_gpu.md): a diagnostic, not a cure for engine drift.
 FLA_BY_ORDER_ENV = "GDN_PASS_FUZZ_FLA_BY_ORDER"
+
+
+def fla_by_order_requested() -> bool:
+    """Whether this process's environment asks for ``FLA_BY_ORDER_ENV``."""
+    return os.environ.get(FLA_BY_ORDER_ENV, "0") not in ("", "0")
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
@@ -353,7 +359,7 @@ def _engine_main(args) -> None:
 
     spec = json.loads(Path(args.spec).read_text())
     by_order = []
-    if os.environ.get(FLA_BY_ORDER_ENV, "0") not in ("", "0"):
+    if fla_by_order_requested():
         from harness.fla_autotune import choose_by_order, vllm_fla_kernels
 
         by_order = choose_by_order(vllm_fla_kernels())

@@ -52,7 +52,7 @@ TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
 CONFIGS = tuple(c for c in os.environ.get("GDN_PASS_GPU_FUZZ_CONFIGS",
                                           "preempt_prefix_hits,mtp,bad_input_under_load").split(",") if c)
 SPECULATIVE = {"mtp", "bailing_linear_mtp"}
-FLA_BY_ORDER = os.environ.get(fz.FLA_BY_ORDER_ENV, "0") not in ("", "0")
+FLA_BY_ORDER = fz.fla_by_order_requested()
 # The harness's fix zeroes no speculative row: MTP's footprint is judged against pass off on
 # an engine whose caches were zeroed after start-up (fz.CLEAN_OFF: no warm-up residue).
 GUARDS = {config: ("off", "on", fz.CLEAN_OFF) if config in SPECULATIVE else ("off", "on", fz.HARNESS_FIX)
