@@ -133,6 +133,8 @@ class StepRecorder:
         def build(builder, *args, **kwargs):  # vLLM 0.26 passes keywords, 0.30 positions
             md = original(builder, *args, **kwargs)
             m, _ = compat.step_inputs(original, builder, args, kwargs)
+            from gdn_pass.vllm import metadata_hook
+
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
             slots = getattr(md, "non_spec_state_indices_tensor", getattr(md, "state_indices_tensor", None))
@@ -144,6 +146,8 @@ class StepRecorder:
                     num_decodes=md.num_decodes,
                     num_prefills=md.num_prefills,
                     state_slots=None if slots is None else slots.tolist(),
+                    # the metadata hook acts for this builder (None: not configured, or stood down)
+                    hook_acts=metadata_hook.guard_of(builder) is not None,
                 )
             )
             return md
@@ -154,6 +158,19 @@ class StepRecorder:
         """Steps whose state-slot rows outnumber the real rows (CUDA-graph padding)."""
         return [s for s in self.steps if s["state_slots"] is not None
                 and len(s["state_slots"]) > sum(q > 0 for q in s["query_lens"])]
+
+    def fresh_beside_decode_steps(self) -> list[dict]:
+        """Steps where a brand-new row ran next to a row with history, however the builder split them.
+
+        The scenario's trigger was scheduled: on a release whose builder reroutes the fresh
+        row to its prefill path itself (GDN from vLLM 0.31) such a step has a prefill and is
+        not among ``fresh_decode_steps``.
+        """
+        return [
+            s for s in self.steps
+            if any(c == 0 and q > 0 for c, q in zip(s["num_computed_tokens"], s["query_lens"]))
+            and any(c > 0 and q > 0 for c, q in zip(s["num_computed_tokens"], s["query_lens"]))
+        ]
 
     def fresh_decode_steps(self) -> list[dict]:
         """Steps where a brand-new row was read as a decode (the bug's trigger).
@@ -212,8 +229,26 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
     return dict(
         requests={k.split("-")[0]: v for k, v in finished.items()},
         fresh_decode_steps=len(recorder.fresh_decode_steps()),
+        fresh_beside_decode_steps=len(recorder.fresh_beside_decode_steps()),
         padded_steps=len(recorder.padded_steps()),
+        # builds of the run for which the metadata hook acted (0 where it stood down or is off)
+        hook_acting_builds=sum(s["hook_acts"] for s in recorder.steps),
+        builders_seen=sorted({s["builder"] for s in recorder.steps}),
     )
+
+
+def model_runner_of(llm) -> str | None:
+    """``module.Class`` of the engine's model runner (in-process engine core only), or None.
+
+    vLLM 0.26-0.33 have the V1 runner (``vllm.v1.worker.gpu_model_runner``) and the V2 one
+    (``vllm.v1.worker.gpu.model_runner``); 0.34 has only V2.
+    """
+    obj = llm.llm_engine
+    for attr in ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner"):
+        obj = getattr(obj, attr, None)
+        if obj is None:
+            return None
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def parse_engine_args(items: list[str]) -> dict:
@@ -286,6 +321,9 @@ def main() -> None:
         # which guard owned each GDN group, and what the step guard did (this
         # process: meaningful with the engine core in process, the default)
         step_guard=step_guard.activity(),
+        # registry entries that stood down in this engine (vLLM fixed their builder)
+        stood_down=sorted(step_guard.stood_down()),
+        model_runner=model_runner_of(llm),
         mamba_cache_mode=cache_config.mamba_cache_mode,
         enable_prefix_caching=cache_config.enable_prefix_caching,
         scenario=args.scenario, guard=args.guard, compiled=not args.eager,

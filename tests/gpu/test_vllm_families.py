@@ -1,4 +1,4 @@
-"""vllm#51562 in real CUDA vLLM (0.26 on the H200) for every GDN family, compiled and eager, and MTP.
+"""vllm#51562 in real CUDA vLLM (0.26 and 0.34 on the H200) for every GDN family, compiled and eager, and MTP.
 
 Each family's tiny seeded checkpoint runs the README scenario three times,
 each in a fresh engine: R3 alone (isolated), then R3 on R1's recycled slot
@@ -12,6 +12,11 @@ a never-used slot (clean). Modes:
               slots when the metadata is built
     mtp1/2    Qwen3-Next and Qwen3.5 with their MTP drafter and
               num_speculative_tokens 1 / 2, default mode
+
+Where the engine's own builder sends the fresh row to its prefill path and pass
+off already equals the isolated run (vllm#51565, 0.31+; read from what the
+engine reports, ``vllm_engines.vllm_reroutes_fresh_rows``), the pass must stand
+down instead: no build it acts on, no slot zeroed, R3 bitwise as with pass off.
 
 A family vLLM 0.26 cannot run is recorded with the engine's exact error
 (``GPU_LIMITS`` must name it, so the table stays true). Cases start together,
@@ -36,7 +41,7 @@ from harness.coverage import record  # noqa: E402
 from gdn_pass.checker.demo import compare  # noqa: E402
 from harness.families import FAMILY_ENGINE_ARGS, kind_for_vllm  # noqa: E402
 from harness.tiny_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
-from vllm_engines import LOGPROB_TOL, scenario  # noqa: E402
+from vllm_engines import LOGPROB_TOL, scenario, vllm_reroutes_fresh_rows  # noqa: E402
 
 FAMILIES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "interns2_mobius", "olmo_hybrid", "kimi_linear",
             "bailing_moe_v3")
@@ -160,15 +165,27 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
     r2_off = compare(case["clean"]["requests"]["R2"], case["off"]["requests"]["R2"])
     owners = sorted(set(case["on"]["step_guard"]["owners"].values()))
     fixed = on_vs["same_tokens"] and on_vs["max_logprob_diff"] <= LOGPROB_TOL
+    vllm_fixed = (vllm_reroutes_fresh_rows(case["off"]) and off_vs["same_tokens"]
+                  and off_vs["max_logprob_diff"] <= LOGPROB_TOL)
     record(family, label, status="e2e", reproduced=not off_vs["same_tokens"], fixed=fixed,
            r2_unchanged=r2["same_tokens"], fresh_decode_steps=case["off"]["fresh_decode_steps"],
            r3_isolated=iso["tokens"], r3_off=off["tokens"], r3_on=on["tokens"], guard=owners,
            max_logprob_diff=on_vs["max_logprob_diff"], checkpoint=_kind(kind),
-           r2_pass_off_unchanged=r2_off["same_tokens"])
+           r2_pass_off_unchanged=r2_off["same_tokens"], vllm_fixed=vllm_fixed)
     assert case["off"]["plugin_hook_installed"]
-    assert case["off"]["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
-    assert not off_vs["same_tokens"], f"pass off matched the isolated run: {off['tokens']}"
+    assert case["off"]["fresh_beside_decode_steps"] > 0, "the scenario did not schedule R3 next to R2"
     assert fixed, on_vs
     assert r2["same_tokens"] and r2["max_logprob_diff"] <= LOGPROB_TOL, r2
+    if vllm_fixed:  # vLLM's own reroute holds: the pass stands down, changing nothing
+        assert "gdn" in case["on"]["stood_down"] and case["on"]["hook_acting_builds"] == 0, case["on"]
+        assert case["on"]["step_guard"]["steps_zeroed"] == 0, case["on"]["step_guard"]
+        same = compare(off, on)
+        assert same["same_tokens"] and same["max_logprob_diff"] == 0.0, same
+        return
+    if vllm_reroutes_fresh_rows(case["off"]):  # rerouted by vLLM, yet pass off diverged: the pass must act
+        assert "gdn" not in case["on"]["stood_down"] and case["on"]["hook_acting_builds"] > 0, case["on"]
+    else:
+        assert case["off"]["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
+    assert not off_vs["same_tokens"], f"pass off matched the isolated run: {off['tokens']}"
     expected_owner = ["step"] if mode == "eager" else ["op"]
     assert owners == expected_owner, case["on"]["step_guard"]

@@ -16,11 +16,17 @@ import sys
 import time
 from pathlib import Path
 
-ENGINE = [  # what vLLM 0.26 needs on the H200 (../shared/gpu-vllm/README.md)
+ENGINE = [
     "kv_cache_memory_bytes=268435456",
     "gpu_memory_utilization=0.05",
-    'additional_config={"gdn_prefill_backend": "triton"}',
 ]
+# Where FlashInfer is not installed (the H200 stacks of vLLM 0.26 and 0.34,
+# ../shared/gpu-vllm/README.md), GDN models need vLLM's Triton GDN prefill: on Hopper
+# vLLM's "auto" picks FlashInfer's. scripts/test-gpu sets GDN_PASS_GPU_GDN_PREFILL_BACKEND
+# from what it finds; unset, the Triton backend is asked for (harmless where FlashInfer exists).
+GDN_PREFILL_BACKEND = os.environ.get("GDN_PASS_GPU_GDN_PREFILL_BACKEND", "triton")
+if GDN_PREFILL_BACKEND not in ("", "auto"):
+    ENGINE.append(f'additional_config={{"gdn_prefill_backend": "{GDN_PREFILL_BACKEND}"}}')
 ENGINE_TIMEOUT_S = int(os.environ.get("GDN_PASS_GPU_ENGINE_TIMEOUT_S", "540"))
 # R3 alone vs R3 next to R2 with the pass, in one mode: same tokens, and
 # logprobs equal up to bf16 rounding of a different batch.
@@ -37,12 +43,14 @@ def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, c
     cmd += [a for item in compilation for a in ("--compilation-arg", item)]
     cmd += list(extra)
     # tests/vllm's conftest, if collected too, turns the compile caches off.
-    env = dict(os.environ, VLLM_USE_FLASHINFER_SAMPLER="0", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
                VLLM_DISABLE_COMPILE_CACHE="0", TORCHINDUCTOR_COMPILE_THREADS="1",
                VLLM_CACHE_ROOT=str(workdir / f"cache_{name}"),
                TORCHINDUCTOR_CACHE_DIR=str(workdir / f"cache_{name}" / "inductor"))
     for var in ("TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
         env.pop(var, None)
+    # FlashInfer's sampler only where scripts/test-gpu found FlashInfer (the H200 stacks have none).
+    env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.update(env_extra or {})
     start = time.time()
     with open(log, "w") as f:
@@ -59,7 +67,10 @@ def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, c
     reports = workdir / f"reports_{name}"
     result.update(name=name, wall_s=round(time.time() - start, 1),
                   pass_reports=len(list(reports.glob("*.json"))) if reports.exists() else 0,
-                  compile_cache_hit="Directly load" in text)
+                  compile_cache_hit="Directly load" in text,
+                  # the plugin's start-up lines (gdn_pass.vllm.metadata_hook)
+                  stand_down_logged="standing down" in text,
+                  keeps_decodes_logged="keeps one-token steps on the decode path" in text)
     return result
 
 
@@ -70,3 +81,14 @@ def engine_error(log: str) -> str | None:
         if re.match(r"^\w+(\.\w+)*(Error|Exception)\b", lines[i]):
             return re.sub(r"\s*\[type=.*", "", " / ".join(x for x in lines[i: i + 2] if x))[:400]
     return None
+
+
+def vllm_reroutes_fresh_rows(off: dict) -> bool:
+    """Did the engine's own builder send the scenario's fresh row to its prefill path? (pass off)
+
+    From what the engine reported, not from a version table: R3 was scheduled next to a
+    decoding R2 (``fresh_beside_decode_steps``) and no such step had the fresh row on the
+    decode path (``fresh_decode_steps``). True for GDN from vLLM 0.31 (vllm#51565), never
+    for the Lightning builders (0.26-0.34).
+    """
+    return off.get("fresh_beside_decode_steps", 0) > 0 and off["fresh_decode_steps"] == 0
