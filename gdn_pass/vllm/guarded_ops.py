@@ -53,9 +53,10 @@ def stand_down_reason(spec: OpaqueStateOp) -> str | None:
     """
     from vllm.config import get_current_vllm_config_or_none
 
+    from gdn_pass.vllm import support
     from gdn_pass.vllm.builders import GDN
 
-    return GDN.stands_down(get_current_vllm_config_or_none())
+    return support.stand_down_reason(GDN, get_current_vllm_config_or_none())
 
 
 def _schema_tail(op: torch._ops.OpOverload) -> str:

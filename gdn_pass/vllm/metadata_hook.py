@@ -29,7 +29,7 @@ every layer of the builder's group (eager engines, reads behind no op), the
 step guard (``step_guard``) zeroes the fresh slots right after the build;
 the linear-attention builders, whose reads sit inside ``vllm::linear_attention``
 (no guarded op), always take that path. An entry whose builder this vLLM already
-fixed stands down at engine start (``StateBuilder.stands_down``).
+fixed stands down at engine start (``support.decide``).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import functools
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import builders, compat, step_guard
+from gdn_pass.vllm import builders, compat, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
 from gdn_pass.vllm.rows import has_new_rows
@@ -62,7 +62,7 @@ class BuilderGuard:
 
     ``entry`` / ``context``: its registry entry and what vLLM gave its
     ``__init__``; ``keeps_decodes``: one-token steps stay on the decode path
-    (``StateBuilder.keeps_fresh_rows_on_decode``); ``rows``: its persistent
+    (``support.Decision.keeps_decodes``); ``rows``: its persistent
     ``StagedRowMetadata`` (made at the first build); ``owner``: the guard that
     zeroes its group (decided at the first build, then fixed); ``group``:
     the first layer's ``kv_cache`` object, the group's state tensors and
@@ -117,6 +117,8 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
+        if support.is_probing():  # gdn-pass's own builder (doctor, the pass at compile time)
+            return
         own = builders.registered_base(type(self))
         if own is None:
             return
@@ -149,7 +151,7 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
 def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A step whose rows all have at most one token, without ``is_prefilling``: vLLM 0.31+'s builder
     then keeps its fresh rows on the decode path (and stages its FULL-graph buffers) as before its
-    reroute, and the guards zero them (``StateBuilder.keeps_fresh_rows_on_decode``)."""
+    reroute, and the guards zero them (``support.Decision.keeps_decodes``)."""
     common, _ = compat.step_inputs(original_build, builder, args, kwargs)
     if getattr(common, "is_prefilling", None) is None or common.max_query_len > 1:
         return args, kwargs
@@ -240,6 +242,8 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
     builder vLLM already fixed says so once and keeps nothing: its builds pass
     straight through.
     """
+    if _BUILDER_GUARD in builder.__dict__:  # hooked twice (a subclass's hook and its base's): decided once
+        return
     vllm_config = kwargs.get("vllm_config") or next(
         (a for a in args if hasattr(a, "compilation_config")), None)
     try:
@@ -253,16 +257,21 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         logger.debug("gdn-pass: could not check the compilation mode (%r)", exc)
     if not configured:
         return
-    compat.check_release()
-    stood_down = entry.stands_down(vllm_config)
-    if stood_down is not None:
+    untested = compat.check_release()
+    context = compat.builder_context(init, builder, args, kwargs)
+    decision = support.decide(entry, builder, build, context)
+    support.record(decision)
+    if decision.action == support.REFUSES:
+        raise compat.unsupported(f"{entry.class_name} ({entry.key}): {decision.why}")
+    if untested:
+        _info_once(f"untested:{entry.key}", f"{untested}; {entry.class_name} {decision.action}: "
+                   f"{decision.checked()}")
+    if decision.action == support.STANDS_DOWN:
         step_guard.note_stand_down(entry.key)
         _info_once(f"stand-down:{entry.key}",
-                   f"gdn-pass: {stood_down}; standing down for {entry.class_name} ({entry.models}): "
+                   f"gdn-pass: {decision.why}; standing down for {entry.class_name} ({entry.models}): "
                    "no per-step work")
         return
-    context = compat.builder_context(init, builder, args, kwargs)
-    compat.check_supported(context, build, entry)
     guard = builder.__dict__[_BUILDER_GUARD] = BuilderGuard(entry, context)
     if getattr(builder, "supports_update_block_table", False):
         # vLLM would build this metadata for the first group of a step only and derive the
@@ -273,13 +282,15 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         _info_once(f"update-block-table:{entry.key}",
                    f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
                    "update_block_table shortcut would bypass the guard)")
-    if entry.keeps_fresh_rows_on_decode():
+    if decision.keeps_decodes:
         guard.keeps_decodes = True
-        _info_once(f"keeps-decodes:{entry.key}",
-                   f"gdn-pass: vLLM {compat.vllm_version()} reroutes fresh rows of {entry.class_name}, but "
-                   "this engine's V1 runner can replay a FULL decode graph on buffers the builder did not "
-                   "stage for such a step; gdn-pass keeps one-token steps on the decode path and zeroes "
-                   "their fresh rows")
+        _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")
+
+
+def unhooked_build(cls: type):
+    """``cls.build`` as it was before the hook wrapped it (vLLM's, or another plugin's wrapper)."""
+    build = cls.build
+    return build.__wrapped__ if getattr(build, _MARK, False) else build
 
 
 _STEP = step_guard.Owner.STEP

@@ -16,7 +16,7 @@ import logging
 import pytest
 import torch
 
-from gdn_pass.vllm import builders, compat, metadata_hook, step_guard
+from gdn_pass.vllm import builders, compat, metadata_hook, step_guard, support
 from gdn_pass.vllm.handoff import handoff_of
 from tests.vllm.test_metadata_hook import bind_poisoned_caches, bug_step, new_builder, step_of, vllm_config, zeroed
 
@@ -61,7 +61,9 @@ def test_the_gdn_builder_reroutes_exactly_where_the_entry_says(monkeypatch):
     fresh_row_is_a_decode = metadata.num_decodes == 3
     assert fresh_row_is_a_decode == (not REROUTES), (compat.vllm_version(), metadata.num_decodes)
     # On CPU no FULL decode graph can replay a rerouted step: the entry stands down where vLLM reroutes.
-    assert (builders.GDN.stands_down(vllm_config(configured=True)) is not None) == REROUTES
+    decision = support.decide_for_class(builders.GDN, builders.GDN.builder_class(), vllm_config(configured=True),
+                                        torch.device("cpu"))
+    assert (decision.action == support.STANDS_DOWN) == REROUTES, decision
 
 
 @pytest.mark.skipif(not REROUTES, reason="vLLM reroutes fresh GDN rows from 0.31 on")
@@ -97,7 +99,7 @@ def test_on_the_v1_runner_with_full_graphs_fresh_rows_stay_on_decode_and_are_zer
     # The step (3 rows, 3 tokens, one each) is a uniform decode to the V1 runner.
     assert GPUModelRunner._is_uniform_decode(max_num_scheduled_tokens=1, uniform_decode_query_len=1,
                                              num_tokens=3, num_reqs=3)
-    monkeypatch.setattr(builders, "_reroute_holds", lambda config: None)  # V1 runner, FULL graphs, CUDA
+    monkeypatch.setattr(support, "reroute_holds", lambda config: None)  # V1 runner, FULL graphs, CUDA
     monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     unhooked_config = vllm_config(configured=False)
     unhooked_config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
@@ -135,13 +137,18 @@ def test_an_acting_builder_never_takes_vllms_update_block_table_shortcut(monkeyp
     assert acting.supports_update_block_table is False
 
 
-def test_a_release_newer_than_the_known_ones_stops_only_a_configured_engine(monkeypatch):
-    monkeypatch.setattr(compat, "vllm_version", lambda: "0.34.0")
-    with pytest.raises(compat.UnsupportedVLLM) as error:
+def test_a_release_newer_than_the_tested_ones_is_decided_by_its_builders_with_one_untested_line(monkeypatch, caplog):
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.99.0")
+    monkeypatch.setattr(metadata_hook, "_warned", set())
+    with caplog.at_level(logging.INFO, logger="gdn_pass"):
+        builder = new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
+    lines = [r.getMessage() for r in caplog.records if "not one of the tested releases" in r.getMessage()]
+    assert len(lines) == 1 and "vLLM 0.99.0" in lines[0], lines
+    assert "split: fresh one-token row ->" in lines[0] and "metadata: as needed" in lines[0], lines[0]
+    assert handoff_of(builder.build(0, _bug_step_as_the_runner_sends_it())) is not None  # it acts
+    monkeypatch.setattr(compat, "vllm_version", lambda: "0.25.0")
+    with pytest.raises(compat.UnsupportedVLLM, match="supports vLLM 0.26 and newer"):
         new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
-    assert "vLLM 0.34.0" in str(error.value) and "0.26 to 0.33" in str(error.value)
-    builder = new_builder(vllm_config(configured=False), like_0_26=False, monkeypatch=monkeypatch)
-    assert handoff_of(builder.build(0, bug_step())) is None
 
 
 def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed(monkeypatch):

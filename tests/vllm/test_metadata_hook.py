@@ -171,13 +171,13 @@ def vllm_config(*, configured: bool, by_name: bool = False):
 def new_builder(config, *, like_0_26: bool, monkeypatch, acting: bool = True, cls=None):
     """A real GDN builder (or ``cls``, a subclass of it). ``acting``: on releases where vLLM reroutes fresh rows itself (0.31+)
     the GDN entry stands down on CPU; the hook's mechanics are then tested as in an engine where
-    it acts (vLLM's V1 runner with FULL CUDA graphs, ``builders.StateBuilder.stands_down``)."""
+    it acts (vLLM's V1 runner with FULL CUDA graphs, ``support.reroute_holds``)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
     if acting:
-        from gdn_pass.vllm import builders
+        from gdn_pass.vllm import support
 
-        monkeypatch.setattr(builders, "_reroute_holds", lambda vllm_config: None)
+        monkeypatch.setattr(support, "reroute_holds", lambda vllm_config: None)
 
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 
@@ -264,7 +264,7 @@ def test_unconfigured_engine_survives_a_broken_adapter(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("adapter bug")
 
-    for name in ("builder_context", "step_inputs", "check_supported", "num_computed_tokens"):
+    for name in ("builder_context", "step_inputs", "wrapped_build", "num_computed_tokens"):
         monkeypatch.setattr(compat, name, broken)
     builder = new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
     assert handoff_of(builder.build(0, bug_step())) is None

@@ -1,0 +1,152 @@
+"""Ask the installed builder itself: does its split send a fresh row to a path that reads the slot?
+
+The bug class (vllm#51562) is one decision inside a state builder's
+``build``: which rows are decodes. gdn-pass does not read that decision from
+a version table. At engine start (and in ``gdn-pass doctor``) it builds
+two-row steps with the builder vLLM made (its own ``build``, unhooked) and
+reads the split it returns. The runner orders decodes first, so the fresh row
+is the last one and ran a decode path exactly when every row is a decode::
+
+    probe                 rows: (computed, new tokens)          the fresh row reads its slot if
+    one_token             (10, 1) history, (0, 1) fresh          num_decodes (+ num_spec_decodes) == 2
+    without_prefilling    as one_token, is_prefilling=None       (asked where one_token is rerouted:
+                                                                 can gdn-pass keep the step on decode?)
+    speculative (k > 0)   (10, 1 + k) speculating, (0, 1 + k)    as one_token
+                          fresh; drafts [k, -1], accepted 1
+
+``is_prefilling`` (0.31+) is what the runner says of each row: False for
+the row with history, True for the fresh one. The steps are small host and
+device tensors on the builder's device; the build writes only the builder's
+own persistent decode buffers, which vLLM refills before every use.
+
+Every field of the installed ``CommonAttentionMetadata`` that has no default
+must be one this module knows how to fill; a new required field makes the
+probe fail with ``ProbeError`` naming it (the entry then refuses, at start-up).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import torch
+
+from gdn_pass.vllm.compat import wrapped_build
+
+__all__ = ["ProbeError", "SplitFindings", "probe_split", "synthetic_step"]
+
+_HISTORY = 10  # tokens computed before the step by the row with history
+_BLOCK_TABLE_WIDTH = 16  # blocks per row; wider than any index the probes' lengths reach
+
+
+class ProbeError(Exception):
+    """The builder's split could not be probed (the message says why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFindings:
+    """What the builder's own split did with a fresh row (see the module table).
+
+    ``without_prefilling`` is None where it was not asked (``one_token`` reads
+    the slot, or this release has no ``is_prefilling``); ``speculative`` is
+    None without speculative decoding.
+    """
+
+    one_token: bool
+    without_prefilling: bool | None
+    speculative: bool | None
+    has_is_prefilling: bool
+
+    def reads_stale_slot(self) -> bool:
+        """Does a fresh row reach a decode path in a step the runner sends as it is?"""
+        return self.one_token or bool(self.speculative)
+
+
+def _fields():
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+
+    return CommonAttentionMetadata, {f.name: f for f in dataclasses.fields(CommonAttentionMetadata)}
+
+
+def synthetic_step(computed: list[int], query_lens: list[int], *, device: torch.device,
+                   is_prefilling: list[bool] | None):
+    """A ``CommonAttentionMetadata`` of the installed vLLM for rows of the given lengths.
+
+    Row ``i`` owns blocks ``1 + i * W ...`` (W = 16; block 0 is vLLM's null
+    block). ``is_prefilling`` is set where the class has the field.
+    """
+    cls, fields = _fields()
+    n = len(query_lens)
+    qsl_cpu = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0).to(torch.int32)
+    seq_cpu = torch.tensor(computed, dtype=torch.int32) + torch.tensor(query_lens, dtype=torch.int32)
+    tokens = int(qsl_cpu[-1])
+    blocks = (1 + torch.arange(n * _BLOCK_TABLE_WIDTH, dtype=torch.int32)).view(n, _BLOCK_TABLE_WIDTH)
+    known = {
+        "query_start_loc": qsl_cpu.to(device),
+        "query_start_loc_cpu": qsl_cpu,
+        "seq_lens": seq_cpu.to(device),
+        "seq_lens_cpu": seq_cpu.clone(),
+        "seq_lens_cpu_upper_bound": seq_cpu.clone(),
+        "num_computed_tokens_cpu": torch.tensor(computed, dtype=torch.int32),
+        "num_reqs": n,
+        "num_actual_tokens": tokens,
+        "max_query_len": max(query_lens),
+        "max_seq_len": int(seq_cpu.max()),
+        "block_table_tensor": blocks.to(device),
+        "slot_mapping": torch.arange(tokens, dtype=torch.int64).to(device),
+        "is_prefilling": None if is_prefilling is None else torch.tensor(is_prefilling, dtype=torch.bool),
+    }
+    unknown = sorted(name for name, f in fields.items() if name not in known and f.init
+                     and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+    if unknown:
+        raise ProbeError(f"CommonAttentionMetadata has required fields gdn-pass cannot fill: {unknown}")
+    return cls(**{name: value for name, value in known.items() if name in fields})
+
+
+def _decodes(metadata) -> int:
+    return int(metadata.num_decodes) + int(getattr(metadata, "num_spec_decodes", 0) or 0)
+
+
+def _build(build, builder, common, **extra):
+    """One call of the builder's own ``build`` (keywords: the form vLLM 0.26's runner uses)."""
+    try:
+        return build(builder, common_prefix_len=0, common_attn_metadata=common, **extra)
+    except Exception as exc:  # noqa: BLE001 - any failure of the real build is the finding
+        raise ProbeError(f"{type(builder).__name__}.build raised on a synthetic step: {exc!r}") from exc
+
+
+def probe_split(build, builder, device: torch.device, *, num_speculative_tokens: int = 0,
+                speculative: bool = False) -> SplitFindings:
+    """Run ``build`` (the builder's own, unhooked) on the module's probe steps; what its split did.
+
+    ``speculative``: also probe a fresh prompt of ``1 + k`` tokens next to a
+    speculating row (``k = num_speculative_tokens > 0``; builders whose
+    decode threshold is ``1 + k``).
+    """
+    _, fields = _fields()
+    has_is_prefilling = "is_prefilling" in fields
+    flags = [False, True] if has_is_prefilling else None
+
+    def fresh_row_decoded(computed, query_lens, is_prefilling, **extra) -> bool:
+        metadata = _build(build, builder, synthetic_step(computed, query_lens, device=device,
+                                                         is_prefilling=is_prefilling), **extra)
+        return _decodes(metadata) == len(query_lens)
+
+    one_token = fresh_row_decoded([_HISTORY, 0], [1, 1], flags)
+    without_prefilling = None
+    if not one_token and has_is_prefilling:
+        try:
+            without_prefilling = fresh_row_decoded([_HISTORY, 0], [1, 1], None)
+        except ProbeError:  # a split that needs is_prefilling: the decode path cannot be kept
+            without_prefilling = False
+    spec = None
+    k = num_speculative_tokens
+    if speculative and k > 0:
+        params = inspect.signature(wrapped_build(build)[0]).parameters
+        extra = {}
+        if "num_accepted_tokens" in params:
+            extra["num_accepted_tokens"] = torch.ones(2, dtype=torch.int32, device=device)
+        if "num_decode_draft_tokens_cpu" in params:
+            extra["num_decode_draft_tokens_cpu"] = torch.tensor([k, -1], dtype=torch.int32)
+        spec = fresh_row_decoded([_HISTORY, 0], [1 + k, 1 + k], flags, **extra)
+    return SplitFindings(one_token, without_prefilling, spec, has_is_prefilling)
