@@ -4,6 +4,7 @@
     gdn-pass report MODEL             compile MODEL with the pass, print what it did
     gdn-pass dump MODEL --out DIR     depyf dumps with and without the pass, and the report
     gdn-pass check MODEL              state-isolation check: PASS/FAIL per scenario
+    gdn-pass doctor [MODEL]           what gdn-pass does with each state builder of the installed vLLM
 
 MODEL: ``tiny-qwen3-next`` or ``tiny-llama`` (bundled, run in vLLM),
 ``torch-gdn`` (the bundled torch-native GDN layer, plain torch.compile), or a
@@ -270,6 +271,17 @@ def cmd_demo(args) -> int:
                       *(a for item in args.engine_arg for a in ("--engine-arg", item))])
 
 
+# -- doctor ------------------------------------------------------------------
+def cmd_doctor(args) -> int:
+    """Runs ``gdn_pass.vllm.doctor`` in its own process: it imports vLLM and makes builders."""
+    import subprocess
+
+    require_vllm()
+    cmd = [sys.executable, "-m", "gdn_pass.vllm.doctor", *([args.model] if args.model else []),
+           *(["--json"] if args.json else [])]
+    return subprocess.run(cmd).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gdn-pass", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="command", required=True)
@@ -292,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=JSON",
                    help="extra vLLM engine argument for every engine")
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("doctor", help="what gdn-pass does with each state builder of the installed vLLM")
+    p.add_argument("model", nargs="?", help="a model folder (config.json) or a cached Hugging Face id")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(fn=cmd_doctor)
     args = ap.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     try:

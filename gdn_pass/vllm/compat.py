@@ -19,13 +19,18 @@ release           platform  GDN builder                      GDN/KDA core ops (v
                             prefills): the ``gdn`` entry
                             stands down
 0.33.0            CUDA      as 0.32 (Python read, not run)   as 0.28
+0.34.0            CUDA      as 0.32; ``build`` takes the     as 0.28
+                            draft counts before
+                            ``fast_build``; the V1 model
+                            runner is removed
 ================  ========  ===============================  ===========================
 
 The Lightning linear-attention builders (``builders``: ``bailing_linear``,
-``minimax_linear``) are the same in every release from 0.26 to 0.33, and
-unfixed in all of them. A release newer than the newest tested one is run
-through only where the pass is not configured; configured, the engine stops
-at start-up naming the release (``check_release``).
+``minimax_linear``) are the same in every release from 0.26 to 0.34, and
+unfixed in all of them. None of this decides what gdn-pass does with a
+builder: that is asked of the installed code at engine start
+(``support.decide``), so a release newer than every tested one runs where
+its builders pass the checks (``check_release`` only names it untested).
 
 All of them have ``PAD_SLOT_ID = -1`` and ``NULL_BLOCK_ID = 0`` and keep
 ``InductorPass`` in ``vllm.compilation.passes.inductor_pass`` (older releases
@@ -84,9 +89,9 @@ TESTED_RELEASES = {
     "0.31.0": "cpu, GDN fixed upstream",
     "0.32.0": "cpu, GDN fixed upstream",
     "0.33.0": "cuda, GDN fixed upstream; builders' Python read, equal to 0.32's where it matters",
+    "0.34.0": "cuda, GDN fixed upstream",
 }
-# The newest minor release whose builders the adapter knows (the CHANGELOG says how each was checked).
-NEWEST_KNOWN = (0, 33)
+# The oldest release the adapter supports (older ones lack what it reads); there is no newest.
 OLDEST_KNOWN = (0, 26)
 
 _INDUCTOR_PASS_MODULES = (
@@ -565,7 +570,7 @@ def check_release() -> str | None:
     """Raise UnsupportedVLLM for a release older than every supported one (engine start, configured only).
 
     A release newer than every tested one is not refused for its number: the
-    entry's own start-up checks decide (``check_supported``). Returns the
+    entry's own start-up checks decide (``support.decide``). Returns the
     start-up line that names such a release as untested, None for a tested one.
     """
     if version_tuple() < OLDEST_KNOWN:
