@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import traceback
 
 import torch
 
@@ -112,7 +113,9 @@ def _build(build, builder, common, **extra):
     try:
         return build(builder, common_prefix_len=0, common_attn_metadata=common, **extra)
     except Exception as exc:  # noqa: BLE001 - any failure of the real build is the finding
-        raise ProbeError(f"{type(builder).__name__}.build raised on a synthetic step: {exc!r}") from exc
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ProbeError(f"{type(builder).__name__}.build raised on a synthetic step: {exc!r} at "
+                         f"{where.filename.rsplit('/', 1)[-1]}:{where.lineno} ({where.line})") from exc
 
 
 def probe_split(build, builder, device: torch.device, *, num_speculative_tokens: int = 0,

@@ -117,7 +117,7 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
                                 "is_prefilling the builder does not keep a one-token step on its decode path"))
 
     for name, problems in _static_checks(entry, context):
-        checks.append(Check(name, not problems, "; ".join(problems) if problems else "as needed"))
+        checks.append(Check(name, not problems, "; ".join(problems) if problems else "has what gdn-pass reads"))
     if any(not c.passed for c in checks):
         return refusal()
     keeps_decodes = not findings.reads_stale_slot()

@@ -144,7 +144,7 @@ def test_a_release_newer_than_the_tested_ones_is_decided_by_its_builders_with_on
         builder = new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
     lines = [r.getMessage() for r in caplog.records if "not one of the tested releases" in r.getMessage()]
     assert len(lines) == 1 and "vLLM 0.99.0" in lines[0], lines
-    assert "split: fresh one-token row ->" in lines[0] and "metadata: as needed" in lines[0], lines[0]
+    assert "split: fresh one-token row ->" in lines[0] and "metadata: has what gdn-pass reads" in lines[0], lines[0]
     assert handoff_of(builder.build(0, _bug_step_as_the_runner_sends_it())) is not None  # it acts
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.25.0")
     with pytest.raises(compat.UnsupportedVLLM, match="supports vLLM 0.26 and newer"):
