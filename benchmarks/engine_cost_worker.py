@@ -16,7 +16,8 @@ on its V2 runner, which keeps steps with a prefilling row out of FULL decode
 graphs. ``alternative_set(split=True, runner=True)`` does both here: the
 split, and a runner that treats a step with a prefilling row as not a
 uniform decode (PIECEWISE). ``split=True, runner=False`` is the one line
-alone, for the correctness check only.
+alone, for the correctness check only. On the V2 runner (vLLM 0.34 has no
+other) the runner part is the runner's own: ``runner=True`` changes nothing.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class BenchWorker:
     def alternative_set(self, split: bool, runner: bool) -> bool:
         """Switch the alternative's two parts in this worker; True if both are in place."""
         model_runner = self.model_runner
-        if not getattr(model_runner, "_bench_uniform_wrapped", False):
+        v1_runner = hasattr(model_runner, "_is_uniform_decode")  # the V2 runner keeps prefills off FULL graphs
+        if v1_runner and not getattr(model_runner, "_bench_uniform_wrapped", False):
             original = model_runner._is_uniform_decode
 
             def is_uniform_decode(*args, **kwargs):
