@@ -237,18 +237,54 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
     )
 
 
+def _engine_worker(llm):
+    """The engine's worker (in-process engine core, one rank), or None."""
+    obj = llm.llm_engine
+    for attr in ("engine_core", "engine_core", "model_executor", "driver_worker", "worker"):
+        obj = getattr(obj, attr, None)
+        if obj is None:
+            return None
+    return obj
+
+
 def model_runner_of(llm) -> str | None:
     """``module.Class`` of the engine's model runner (in-process engine core only), or None.
 
     vLLM 0.26-0.33 have the V1 runner (``vllm.v1.worker.gpu_model_runner``) and the V2 one
     (``vllm.v1.worker.gpu.model_runner``); 0.34 has only V2.
     """
-    obj = llm.llm_engine
-    for attr in ("engine_core", "engine_core", "model_executor", "driver_worker", "worker", "model_runner"):
-        obj = getattr(obj, attr, None)
-        if obj is None:
-            return None
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+    runner = getattr(_engine_worker(llm), "model_runner", None)
+    return None if runner is None else f"{type(runner).__module__}.{type(runner).__qualname__}"
+
+
+def zero_state_at_start(llm) -> int:
+    """Zero every layer's cache tensors (KV, conv, recurrent) of the in-process engine; the count.
+
+    For a reference on truly fresh state: vLLM's start-up (profiling, CUDA-graph capture, and
+    in 0.34 the V2 runner's kernel warm-up with dummy requests) runs the model on state slots
+    that a first request can be given, and a builder that reads a fresh row's slot (the
+    Lightning builders) then reads what start-up left there, even for a request alone.
+    """
+    import torch
+
+    worker = _engine_worker(llm)
+    config = getattr(worker, "vllm_config", None) or llm.llm_engine.vllm_config
+    zeroed = 0
+
+    def zero(x) -> None:
+        nonlocal zeroed
+        if isinstance(x, torch.Tensor):
+            x.zero_()
+            zeroed += 1
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                zero(item)
+
+    for layer in config.compilation_config.static_forward_context.values():
+        zero(getattr(layer, "kv_cache", None))
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return zeroed
 
 
 def parse_engine_args(items: list[str]) -> dict:
@@ -278,6 +314,9 @@ def main() -> None:
     ap.add_argument("--dump-dir", default=None, help="depyf dump folder")
     ap.add_argument("--r3-prompt-len", type=int, default=len(R3_PROMPT))
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--zero-state-at-start", action="store_true",
+                    help="zero every cache tensor after engine start, before the requests "
+                         "(a reference on truly fresh state; see zero_state_at_start)")
     ap.add_argument("--multiprocessing", action="store_true",
                     help="engine core in a separate process (VLLM_ENABLE_V1_MULTIPROCESSING=1)")
     ap.add_argument("--pass-hook", default="post_grad_custom_post_pass",
@@ -310,6 +349,7 @@ def main() -> None:
                        compilation=parse_engine_args(args.compilation_arg),
                        **parse_engine_args(args.engine_arg))
         started = time.time()
+        zeroed_at_start = zero_state_at_start(llm) if args.zero_state_at_start else 0
         r3_prompt = R3_PROMPT if args.r3_prompt_len == len(R3_PROMPT) else [
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
         result = run(args.scenario, llm, recorder, r3_prompt)
@@ -324,6 +364,7 @@ def main() -> None:
         # registry entries that stood down in this engine (vLLM fixed their builder)
         stood_down=sorted(step_guard.stood_down()),
         model_runner=model_runner_of(llm),
+        zeroed_at_start=zeroed_at_start,
         mamba_cache_mode=cache_config.mamba_cache_mode,
         enable_prefix_caching=cache_config.enable_prefix_caching,
         scenario=args.scenario, guard=args.guard, compiled=not args.eager,
