@@ -136,8 +136,13 @@ def _is_step(key: tuple | None, common, starts_cpu: torch.Tensor) -> bool:
     return lengths is key[2] and key[4] == lengths._version
 
 
-def _step_key(common, starts_cpu: torch.Tensor, tensor: torch.Tensor, field: str) -> tuple:
-    # (query_start_loc_cpu, its version, lengths tensor, its field, its version, num_reqs)
+def _step_key(common, starts_cpu: torch.Tensor, tensor: torch.Tensor, field: str) -> tuple | None:
+    """(query_start_loc_cpu, its version, lengths tensor, its field, its version, num_reqs); None where
+    the tensors keep no version counter (inference tensors: vLLM 0.34's V2 runner makes its host
+    tensors under ``inference_mode``). Without a key nothing is reused across builds: an in-place
+    refill of the same tensors could not be told from the step before."""
+    if starts_cpu.is_inference() or tensor.is_inference():
+        return None
     return (starts_cpu, starts_cpu._version, tensor, field, tensor._version, common.num_reqs)
 
 

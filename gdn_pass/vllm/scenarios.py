@@ -113,6 +113,17 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     return LLM(**engine_args)
 
 
+def _speculative_columns(md) -> dict:
+    """A Lightning step's decode slot columns and what its spec kernel reads (MTP), from the device."""
+    slots_d = getattr(md, "state_indices_tensor_d", None)
+    if slots_d is None or slots_d.dim() != 2:
+        return {}
+    accepted = getattr(md, "num_accepted_tokens", None)
+    return dict(decode_slot_columns=slots_d.tolist(), seq_lens=md.seq_lens.tolist(),
+                query_start_loc=md.query_start_loc.tolist(),
+                num_accepted_tokens=None if accepted is None else accepted.tolist())
+
+
 class StepRecorder:
     """Records what the state builders saw on each step (row kinds, slots): GDN's and the
     Lightning linear attention's (Bailing-MoE-v2.5), whichever the model uses."""
@@ -148,6 +159,7 @@ class StepRecorder:
                     state_slots=None if slots is None else slots.tolist(),
                     # the metadata hook acts for this builder (None: not configured, or stood down)
                     hook_acts=metadata_hook.guard_of(builder) is not None,
+                    **_speculative_columns(md),
                 )
             )
             return md
@@ -234,6 +246,9 @@ def run(scenario: str, llm, recorder: StepRecorder, r3_prompt=R3_PROMPT) -> dict
         # builds of the run for which the metadata hook acted (0 where it stood down or is off)
         hook_acting_builds=sum(s["hook_acts"] for s in recorder.steps),
         builders_seen=sorted({s["builder"] for s in recorder.steps}),
+        # Lightning speculative steps (MTP): each step's decode slot columns, device lengths and
+        # accepted counts, to see which slots a guard touched
+        speculative_steps=[s for s in recorder.steps if "decode_slot_columns" in s],
     )
 
 

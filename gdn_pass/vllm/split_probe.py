@@ -34,7 +34,7 @@ import torch
 
 from gdn_pass.vllm.compat import wrapped_build
 
-__all__ = ["ProbeError", "SplitFindings", "probe_split", "synthetic_step"]
+__all__ = ["ProbeError", "SplitFindings", "as_inference_tensors", "probe_split", "synthetic_step"]
 
 _HISTORY = 10  # tokens computed before the step by the row with history
 _BLOCK_TABLE_WIDTH = 16  # blocks per row; wider than any index the probes' lengths reach
@@ -57,6 +57,9 @@ class SplitFindings:
     without_prefilling: bool | None
     speculative: bool | None
     has_is_prefilling: bool
+    # The one_token probe's step and the metadata the builder built for it (the rows check reads them).
+    step: object = dataclasses.field(default=None, repr=False, compare=False)
+    metadata: object = dataclasses.field(default=None, repr=False, compare=False)
 
     def reads_stale_slot(self) -> bool:
         """Does a fresh row reach a decode path in a step the runner sends as it is?"""
@@ -130,12 +133,16 @@ def probe_split(build, builder, device: torch.device, *, num_speculative_tokens:
     has_is_prefilling = "is_prefilling" in fields
     flags = [False, True] if has_is_prefilling else None
 
+    built = []
+
     def fresh_row_decoded(computed, query_lens, is_prefilling, **extra) -> bool:
-        metadata = _build(build, builder, synthetic_step(computed, query_lens, device=device,
-                                                         is_prefilling=is_prefilling), **extra)
+        step = synthetic_step(computed, query_lens, device=device, is_prefilling=is_prefilling)
+        metadata = _build(build, builder, step, **extra)
+        built.append((step, metadata))
         return _decodes(metadata) == len(query_lens)
 
     one_token = fresh_row_decoded([_HISTORY, 0], [1, 1], flags)
+    step, metadata = built[0]
     without_prefilling = None
     if not one_token and has_is_prefilling:
         try:
@@ -152,4 +159,16 @@ def probe_split(build, builder, device: torch.device, *, num_speculative_tokens:
         if "num_decode_draft_tokens_cpu" in params:
             extra["num_decode_draft_tokens_cpu"] = torch.tensor([k, -1], dtype=torch.int32)
         spec = fresh_row_decoded([_HISTORY, 0], [1 + k, 1 + k], flags, **extra)
-    return SplitFindings(one_token, without_prefilling, spec, has_is_prefilling)
+    return SplitFindings(one_token, without_prefilling, spec, has_is_prefilling, step, metadata)
+
+
+def as_inference_tensors(common):
+    """``common`` with its host tensors made again under ``torch.inference_mode`` (vLLM 0.34's V2 runner
+    makes them so: no version counter), for the rows check's stricter run of gdn-pass's own code."""
+    host = {}
+    with torch.inference_mode():
+        for f in dataclasses.fields(common):
+            value = getattr(common, f.name)
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                host[f.name] = value.clone()
+    return dataclasses.replace(common, **host)

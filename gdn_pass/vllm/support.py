@@ -19,6 +19,9 @@ calls on a builder of its own. The checks, in order::
     engine         layer names, compilation_config.static_forward_context        refuses
     core ops       (entries with the op guard) every vllm:: op that looks like   refuses
                    a GDN/KDA core op is known, with the known schema
+    rows           gdn-pass's own per-step rows (``entry.rows``) on the probe     refuses
+                   step, its host tensors as inference tensors, find exactly
+                   the fresh row the split put on a decode path
     -- a refusal names every check that failed --
     -- acts: where the split reads a stale slot; or, where it reroutes but this engine may
        replay a FULL decode graph on buffers the rerouted build left unstaged, keeping
@@ -39,7 +42,7 @@ import importlib.util
 import torch
 
 from gdn_pass.vllm import builders, compat
-from gdn_pass.vllm.split_probe import ProbeError, SplitFindings, probe_split
+from gdn_pass.vllm.split_probe import ProbeError, SplitFindings, as_inference_tensors, probe_split
 
 __all__ = ["ACTS", "Check", "Decision", "REFUSES", "STANDS_DOWN", "decide", "decide_for_class", "is_probing",
            "reroute_holds"]
@@ -118,6 +121,8 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
 
     for name, problems in _static_checks(entry, context):
         checks.append(Check(name, not problems, "; ".join(problems) if problems else "has what gdn-pass reads"))
+    if findings is not None and all(c.passed for c in checks):
+        checks.append(_rows_check(entry, findings))
     if any(not c.passed for c in checks):
         return refusal()
     keeps_decodes = not findings.reads_stale_slot()
@@ -163,6 +168,21 @@ def _static_checks(entry: builders.StateBuilder, context: compat.BuilderContext)
     yield "engine", engine
     if "op" in entry.guards:
         yield "core ops", compat.core_op_problems()
+
+
+def _rows_check(entry: builders.StateBuilder, findings: SplitFindings) -> Check:
+    """gdn-pass's own per-step reading of rows (``entry.rows``) on the one-token probe's step and metadata,
+    with the step's host tensors as inference tensors: it must find exactly the fresh row where the
+    split put it on a decode path, and none where it did not. A failure here would otherwise surface
+    at the engine's first step."""
+    expected = 1 if findings.one_token else 0
+    try:
+        found = entry.rows(as_inference_tensors(findings.step), findings.metadata, None).fresh
+    except Exception as exc:  # noqa: BLE001 - the finding
+        return Check("rows", False, f"gdn-pass's rows of the probe step raised {exc!r}")
+    if found != expected:
+        return Check("rows", False, f"gdn-pass's rows of the probe step zero {found} row(s), not {expected}")
+    return Check("rows", True, f"the probe step's rows to zero: {found}")
 
 
 def _speculative_tokens(builder, vllm_config) -> int:

@@ -115,3 +115,18 @@ def test_lengths_refilled_in_place_are_a_new_step():
     assert rows.has_new_rows(common) is False
     common.seq_lens_cpu[1] = 1  # row 1 now has its one token and none computed
     assert rows.has_new_rows(common) is True
+
+
+def test_inference_tensors_refilled_in_place_are_a_new_step():
+    """vLLM 0.34's V2 runner makes its host tensors under ``inference_mode``: they keep no version
+    counter, so an in-place refill cannot be told from the step before; nothing is reused for them
+    (the first build of such a step used to raise "Inference tensors do not track version counter")."""
+    with torch.inference_mode():
+        common = step([30, 12, 5], [1, 1, 1], "seq_lens_cpu")
+        assert common.seq_lens_cpu.is_inference()
+        assert rows.has_new_rows(common) is False
+        assert rows.scheduler_rows(common).num_new == 0
+        common.seq_lens_cpu[1] = 1  # the same tensor object refilled: row 1 is new now
+        assert rows.has_new_rows(common) is True
+        assert rows.scheduler_rows(common).new.tolist() == [False, True, False]
+    assert rows.has_new_rows(step([30, 0], [1, 1], "seq_lens_cpu")) is True  # outside inference mode too

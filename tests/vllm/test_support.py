@@ -240,3 +240,23 @@ def test_step_guard_never_runs_on_a_builder_of_gdn_pass_s_own():
     before = step_guard.activity()["steps_zeroed"]
     support.decide_for_class(_entry("bailing_linear"), _bailing(), vllm_config(configured=True), CPU)
     assert step_guard.activity()["steps_zeroed"] == before
+
+
+def test_the_rows_check_runs_gdn_pass_s_own_rows_on_the_probe_step_as_vllm_0_34_makes_it(monkeypatch):
+    """Where gdn-pass's own reading of a step would fail (here: its step key read the version counter
+    that inference tensors lack, as on vLLM 0.34), a configured engine stops at start-up naming the
+    rows check, not at its first step."""
+    from gdn_pass.vllm import rows
+
+    def versioned_key(common, starts_cpu, tensor, field):
+        return (starts_cpu, starts_cpu._version, tensor, field, tensor._version, common.num_reqs)
+
+    decision = support.decide_for_class(_entry("bailing_linear"), _bailing(), vllm_config(configured=True), CPU)
+    assert decision.action == support.ACTS and decision.checks[-1] == support.Check(
+        "rows", True, "the probe step's rows to zero: 1")
+    monkeypatch.setattr(rows, "_step_key", versioned_key)
+    monkeypatch.setattr(rows, "_last_step", [None])
+    monkeypatch.setattr(rows, "_last_idle_key", [None])
+    decision = support.decide_for_class(_entry("bailing_linear"), _bailing(), vllm_config(configured=True), CPU)
+    assert decision.action == support.REFUSES
+    assert decision.why.startswith("rows: gdn-pass's rows of the probe step raised RuntimeError('Inference tensors")
