@@ -51,7 +51,17 @@ import torch
 from gdn_pass._logging import logger
 from gdn_pass.vllm import compat, rows
 
-__all__ = ["GDN", "REGISTRY", "StateBuilder", "entry_of", "installed", "registered_base"]
+__all__ = ["GDN", "HOOK_MARK", "REGISTRY", "StateBuilder", "entry_of", "installed", "registered_base",
+           "unhooked_build"]
+
+# Set on the ``build`` wrapper the metadata hook puts on a registered class.
+HOOK_MARK = "__gdn_pass_wrapped__"
+
+
+def unhooked_build(cls: type):
+    """``cls.build`` as it was before the metadata hook wrapped it (vLLM's, or another plugin's wrapper)."""
+    build = cls.build
+    return build.__wrapped__ if getattr(build, HOOK_MARK, False) else build
 
 
 @dataclasses.dataclass(frozen=True)

@@ -50,7 +50,7 @@ __all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
 
 from gdn_pass._logging import logger
 
-_MARK = "__gdn_pass_wrapped__"
+_MARK = builders.HOOK_MARK
 # The one attribute gdn-pass sets on a builder it acts for.
 _BUILDER_GUARD = "_gdn_pass_guard"
 _warned: set[str] = set()
@@ -285,12 +285,6 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
     if decision.keeps_decodes:
         guard.keeps_decodes = True
         _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")
-
-
-def unhooked_build(cls: type):
-    """``cls.build`` as it was before the hook wrapped it (vLLM's, or another plugin's wrapper)."""
-    build = cls.build
-    return build.__wrapped__ if getattr(build, _MARK, False) else build
 
 
 _STEP = step_guard.Owner.STEP

@@ -304,15 +304,26 @@ def decide_for_class(entry: builders.StateBuilder, cls: type, vllm_config, devic
     """``decide`` on a builder of ``cls`` made here, for an engine of ``vllm_config``, with a state
     spec of the entry's layout (``StateBuilder.probe_spec``). A builder that cannot be made here
     is a refusal naming why (the engine's own start-up check is then the one that counts)."""
-    from gdn_pass.vllm import metadata_hook
-
     spec = entry.probe_spec()
     layer_names = [f"gdn_pass.probe.{entry.key}"]
-    try:
-        with _probing():
-            builder = cls(spec, layer_names, vllm_config, device)
-    except Exception as exc:  # noqa: BLE001 - reported as the finding
-        return Decision(entry, REFUSES, f"builder: {cls.__name__} could not be made outside an engine: {exc!r}",
-                        (Check("builder", False, repr(exc)),))
-    context = compat.BuilderContext(tuple(layer_names), torch.device(device), spec, vllm_config)
-    return decide(entry, builder, metadata_hook.unhooked_build(cls), context)
+    with _eager():
+        try:
+            with _probing():
+                builder = cls(spec, layer_names, vllm_config, device)
+        except Exception as exc:  # noqa: BLE001 - reported as the finding
+            return Decision(entry, REFUSES, f"builder: {cls.__name__} could not be made outside an engine: "
+                            f"{exc!r}", (Check("builder", False, repr(exc)),))
+        context = compat.BuilderContext(tuple(layer_names), torch.device(device), spec, vllm_config)
+        return decide(entry, builder, builders.unhooked_build(cls), context)
+
+
+@contextlib.contextmanager
+def _eager():
+    """Real tensors, also when asked from inside a compile (the pass at compile time): the probe's
+    builds run torch ops and ``.item()``, which under the compiler's fake or proxy modes would trace
+    into its graph (unbacked symbols)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield

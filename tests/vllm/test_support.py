@@ -42,7 +42,7 @@ def _fresh_row_is_a_decode_in_vllms_own_build(builder) -> bool:
     common = step([9, 0], [1, 1], [[3] * 16, [4] * 16])
     if "is_prefilling" in compat.fields_of(type(common)):
         common = dataclasses.replace(common, is_prefilling=torch.tensor([False, True]))
-    metadata = metadata_hook.unhooked_build(type(builder))(builder, 0, common)
+    metadata = builders.unhooked_build(type(builder))(builder, 0, common)
     return metadata.num_decodes == 2
 
 
@@ -173,7 +173,7 @@ def _rehook_with_a_foreign_wrapper(monkeypatch, make_wrapper):
     cls = _bailing()
     metadata_hook.install()
     monkeypatch.setattr(cls, "__init__", cls.__init__.__wrapped__)
-    monkeypatch.setattr(cls, "build", make_wrapper(metadata_hook.unhooked_build(cls)))
+    monkeypatch.setattr(cls, "build", make_wrapper(builders.unhooked_build(cls)))
     metadata_hook._wrap(_entry("bailing_linear"), cls)
     return cls
 
