@@ -20,7 +20,7 @@ from __future__ import annotations
 import sys
 
 from gdn_pass import opaque_ops
-from gdn_pass.vllm import builders, compat, guarded_ops, op_guard, piecewise
+from gdn_pass.vllm import builders, compat, guarded_ops, op_guard, piecewise, split_probe, support
 
 __all__ = ["ADAPTER", "NAMESPACE"]
 
@@ -32,7 +32,8 @@ ADAPTER = opaque_ops.EngineAdapter(
     ops=tuple(opaque_ops.OpaqueStateOp(op.qualname, op.arg_names, op.layer_arg, op.family)
               for op in compat.CORE_OPS),
     guards=guarded_ops,
-    behaviour=(compat, builders, guarded_ops, op_guard, piecewise, sys.modules[__name__]),
+    # support and split_probe decide whether the GDN core ops are swapped (the entry's stand-down)
+    behaviour=(compat, builders, guarded_ops, op_guard, piecewise, support, split_probe, sys.modules[__name__]),
 )
 
 opaque_ops.register_engine(ADAPTER)
