@@ -56,7 +56,6 @@ class SplitFindings:
     one_token: bool
     without_prefilling: bool | None
     speculative: bool | None
-    has_is_prefilling: bool
     # The one_token probe's step and the metadata the builder built for it (the rows check reads them).
     step: object = dataclasses.field(default=None, repr=False, compare=False)
     metadata: object = dataclasses.field(default=None, repr=False, compare=False)
@@ -159,7 +158,7 @@ def probe_split(build, builder, device: torch.device, *, num_speculative_tokens:
         if "num_decode_draft_tokens_cpu" in params:
             extra["num_decode_draft_tokens_cpu"] = torch.tensor([k, -1], dtype=torch.int32)
         spec = fresh_row_decoded([_HISTORY, 0], [1 + k, 1 + k], flags, **extra)
-    return SplitFindings(one_token, without_prefilling, spec, has_is_prefilling, step, metadata)
+    return SplitFindings(one_token, without_prefilling, spec, step, metadata)
 
 
 def as_inference_tensors(common):

@@ -73,7 +73,6 @@ class Decision:
     why: str
     checks: tuple[Check, ...]
     keeps_decodes: bool = False
-    findings: SplitFindings | None = None
 
     def checked(self) -> str:
         return "; ".join(f"{c.name}: {c.found}" for c in self.checks)
@@ -113,7 +112,7 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
         if holds is not None:  # the rest is not needed: nothing of the builder's is read
             why = (f"vLLM {compat.vllm_version()}'s {entry.class_name} routes fresh rows to its prefill path "
                    f"itself, {holds}")
-            return Decision(entry, STANDS_DOWN, why, tuple(checks), findings=findings)
+            return Decision(entry, STANDS_DOWN, why, tuple(checks))
         if not findings.without_prefilling:
             checks.append(Check("split", False, "the builder reroutes fresh rows, this engine can replay a FULL "
                                 "decode graph on buffers the rerouted build leaves unstaged, and without "
@@ -132,7 +131,7 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
                "for such a step: gdn-pass keeps one-token steps on the decode path and zeroes their fresh rows")
     else:
         why = f"vLLM {compat.vllm_version()}'s {entry.class_name} sends fresh rows to its decode path"
-    return Decision(entry, ACTS, why, tuple(checks), keeps_decodes, findings)
+    return Decision(entry, ACTS, why, tuple(checks), keeps_decodes)
 
 
 def _describe_split(findings: SplitFindings, spec_tokens: int) -> str:
