@@ -189,6 +189,14 @@ def fill_caches(vllm_config, value: float) -> int:
     return filled[0]
 
 
+def _step_req_ids(state: dict) -> list:
+    """The request ids of the step being built, in batch order (V1: the runner's persistent
+    input batch; V2: the ids its ``prepare_inputs`` was given this step)."""
+    if "v2_req_ids" in state:
+        return state["v2_req_ids"]
+    return list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
+
+
 class StepTrace:
     """Worker extension: methods vLLM adds to each worker (see module docstring)."""
 
@@ -237,7 +245,7 @@ class StepTrace:
             if id(builder) != state["builder"]:
                 # Another builder: another KV-cache group of the model (the same rows) or an MTP
                 # drafter's (rows of its own). A guard acts on its fresh rows too.
-                ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
+                ids = _step_req_ids(state)
                 state["fresh_reads_other_builders"].update(
                     slot_reading_fresh_rows(ids, computed.tolist(), qlens.tolist(), paths))
                 return
@@ -247,7 +255,7 @@ class StepTrace:
                 real_rows=int((qlens > 0).sum()),
                 slot_rows=None if slots is None else int(slots.shape[0]),
                 dispatch=state["dispatch"]))
-            ids = list(getattr(getattr(state["runner"], "input_batch", None), "req_ids", []))
+            ids = _step_req_ids(state)
             # The kernel path of each fresh one-token row (the last time it was fresh: a
             # request preempted before its first token is fresh again when resumed).
             # ``one_token_paths`` says whether the step had prefills (the kernels, hence the
@@ -285,6 +293,20 @@ class StepTrace:
                 return out
 
             runner._determine_batch_execution_and_padding = determine
+        prepare = getattr(runner, "prepare_inputs", None)
+        if decide is None and prepare is not None and hasattr(runner, "req_states"):
+            # vLLM's V2 model runner (0.34's only one) makes a new input batch per step: its
+            # request ids and CUDA-graph choice are read where it prepares the step's inputs.
+            @functools.wraps(prepare)
+            def prepare_inputs(scheduler_output, batch_req_state, batch_desc, *args, **kwargs):
+                state["v2_req_ids"] = list(batch_req_state.req_ids)
+                mode = batch_desc.cg_mode
+                state["dispatch"] = dict(mode=getattr(mode, "name", str(mode)),
+                                         tokens=int(batch_req_state.num_tokens),
+                                         padded_tokens=int(max(batch_desc.num_tokens, batch_req_state.num_tokens)))
+                return prepare(scheduler_output, batch_req_state, batch_desc, *args, **kwargs)
+
+            runner.prepare_inputs = prepare_inputs
         _ACTIVE["installed"] = True
         return True
 
