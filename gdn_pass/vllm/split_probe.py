@@ -26,6 +26,7 @@ probe fail with ``ProbeError`` naming it (the entry then refuses, at start-up).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import traceback
@@ -110,10 +111,39 @@ def _decodes(metadata) -> int:
     return int(metadata.num_decodes) + int(getattr(metadata, "num_spec_decodes", 0) or 0)
 
 
+_ALIGNED = "mamba_aligned_state_indices"
+_MISSING = object()
+
+
+@contextlib.contextmanager
+def _runner_inputs(builder, common):
+    """What vLLM's runner hands a builder before each build, handed for the probe step, then taken back.
+
+    In the "align" mamba cache mode the runner sets each step's aligned state indices on every
+    builder that has the attribute (0.34: ``v1/worker/gpu/model_states/mamba_hybrid.py``), and
+    0.34's Kimi-K3 KDA builder asserts they were set. The probe step's are its block table (what
+    the builders read outside align mode). The builder's own value is restored afterwards: the
+    runner sets it again before the engine's first build.
+    """
+    if not hasattr(builder, _ALIGNED):
+        yield
+        return
+    own = vars(builder).get(_ALIGNED, _MISSING)
+    setattr(builder, _ALIGNED, common.block_table_tensor)
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            delattr(builder, _ALIGNED)
+        else:
+            setattr(builder, _ALIGNED, own)
+
+
 def _build(build, builder, common, **extra):
     """One call of the builder's own ``build`` (keywords: the form vLLM 0.26's runner uses)."""
     try:
-        return build(builder, common_prefix_len=0, common_attn_metadata=common, **extra)
+        with _runner_inputs(builder, common):
+            return build(builder, common_prefix_len=0, common_attn_metadata=common, **extra)
     except Exception as exc:  # noqa: BLE001 - any failure of the real build is the finding
         where = traceback.extract_tb(exc.__traceback__)[-1]
         raise ProbeError(f"{type(builder).__name__}.build raised on a synthetic step: {exc!r} at "

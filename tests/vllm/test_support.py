@@ -165,6 +165,33 @@ def test_next_release_with_a_new_required_common_field_refuses_naming_it(monkeyp
         in decision.why
 
 
+def test_a_builder_that_needs_the_runner_s_aligned_state_indices_is_probed_with_the_step_s_own():
+    """vLLM 0.34's runner sets ``mamba_aligned_state_indices`` on a builder before each build in the
+    "align" cache mode, and its Kimi-K3 KDA builder asserts it did (on the H200 the probe without
+    them refused that entry). The probe hands the step's own block table, then restores the builder."""
+    from gdn_pass.vllm import split_probe
+
+    seen = []
+
+    class NeedsAlignedIndices(_bailing()):
+        mamba_aligned_state_indices = None  # a class attribute, as in vLLM's KDA builder
+
+        def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+            assert self.mamba_aligned_state_indices is not None, "Aligned Mamba state indices must be precomputed"
+            seen.append(self.mamba_aligned_state_indices[: common_attn_metadata.num_reqs, 0].tolist())
+            return super().build(common_prefix_len, common_attn_metadata, fast_build)
+
+    config = vllm_config(configured=False)
+    builder = NeedsAlignedIndices(new_linear_builder(config).kv_cache_spec, ["model.layers.0.attention"], config, CPU)
+    findings = split_probe.probe_split(builders.unhooked_build(NeedsAlignedIndices), builder, CPU)
+    assert findings.one_token  # the Lightning split: the fresh row is a decode
+    assert seen[0] == [1, 1 + 16]  # row i's first block of the probe step (synthetic_step)
+    assert "mamba_aligned_state_indices" not in vars(builder) and builder.mamba_aligned_state_indices is None
+    builder.mamba_aligned_state_indices = torch.zeros(1, 1, dtype=torch.int32)  # the runner's, of a last step
+    split_probe.probe_split(builders.unhooked_build(NeedsAlignedIndices), builder, CPU)
+    assert builder.mamba_aligned_state_indices.shape == (1, 1)
+
+
 # --- other plugins' wrappers --------------------------------------------------------------------
 
 def _rehook_with_a_foreign_wrapper(monkeypatch, make_wrapper):
