@@ -87,8 +87,14 @@ def guard_of(builder) -> BuilderGuard | None:
 
 
 def is_installed() -> bool:
-    """Is the hook on every state builder this vLLM has?"""
-    found = builders.installed()
+    """Is the hook on every state builder this vLLM has?
+
+    A lazily imported builder (``eager=False``: Kimi-K3's) is hooked through its
+    registered base's ``__init__`` when vLLM first makes one, so its module
+    being imported (vLLM 0.34's Kimi-Linear imports it and makes GDN builders
+    only) does not make the hook missing.
+    """
+    found = [(entry, cls) for entry, cls in builders.installed() if entry.eager]
     return bool(found) and all(getattr(cls.__dict__.get("build"), _MARK, False) for _, cls in found)
 
 

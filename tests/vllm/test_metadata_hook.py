@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
-from gdn_pass.vllm import compat, metadata_hook
+from gdn_pass.vllm import builders, compat, metadata_hook
 from gdn_pass.vllm.rows import gdn_rows
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -139,6 +139,23 @@ def test_install_is_idempotent():
     metadata_hook.install()
     assert metadata_hook.is_installed()
     assert metadata_hook.install() is False
+
+
+def test_a_lazy_builder_imported_after_install_does_not_read_as_a_missing_hook(monkeypatch):
+    """Kimi-K3's builder is hooked through GDN's ``__init__`` when first made; on the H200 vLLM 0.34's
+    Kimi-Linear engines import its module after the plugin loaded and never make one."""
+    import importlib
+
+    metadata_hook.install()
+    for entry in builders.REGISTRY:
+        if not entry.eager and entry.builder_class() is not None:
+            importlib.import_module(f"vllm.{entry.module}")
+    lazy = [(e, c) for e, c in builders.installed() if not e.eager]
+    if not lazy:
+        pytest.skip(f"vLLM {compat.vllm_version()} has no lazily imported builder (Kimi-K3: 0.31+)")
+    for _entry, cls in lazy:  # as if imported after install: vLLM's own build, unhooked
+        monkeypatch.setattr(cls, "build", builders.unhooked_build(cls))
+    assert metadata_hook.is_installed()
 
 
 # --- the hook in a real GDN builder, on every builder layout --------------------
