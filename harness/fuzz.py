@@ -96,7 +96,7 @@ def fla_by_order_requested() -> bool:
     return os.environ.get(FLA_BY_ORDER_ENV, "0") not in ("", "0")
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
-# Engine settings per fuzz configuration (on top of vllm_scenarios.make_llm's).
+# Engine settings per fuzz configuration (on top of gdn_pass.vllm.scenarios.make_llm's).
 ENGINE_CONFIGS: dict[str, dict] = {
     "prefix_caching": dict(enable_prefix_caching=True),
     "no_prefix_caching": dict(enable_prefix_caching=False),

@@ -62,7 +62,6 @@ __all__ = [
     "UnsupportedVLLM",
     "unsupported",
     "wrapped_build",
-    "builder_class",
     "builder_context",
     "core_op_problems",
     "check_release",
@@ -150,13 +149,6 @@ def pad_slot_ids() -> tuple[int, ...]:
 
 
 # --- the GDN metadata builder ---------------------------------------------------
-
-
-def builder_class() -> type:
-    """The builder of every GDN/KDA layer the bug affects (Kimi-K3 has its own, fixed)."""
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
-
-    return GDNAttentionMetadataBuilder
 
 
 @dataclasses.dataclass(frozen=True)

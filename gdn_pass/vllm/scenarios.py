@@ -13,7 +13,7 @@
                that the scheduler splits into chunks of at most M tokens, so
                its first, fresh chunk runs next to R2's decode.
 
-    python examples/vllm_scenarios.py poisoned --model DIR --guard on --out result.json
+    python -m gdn_pass.vllm.scenarios poisoned --model DIR --guard on --out result.json
 
 Each run is its own process: vLLM engines do not share a process cleanly,
 and a fresh engine is what "isolated" means.

@@ -35,7 +35,7 @@ LOGPROB_TOL = 1e-2
 
 def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, compilation=(),
              env_extra=None, extra=()) -> dict:
-    """Run ``vllm_scenarios`` in a fresh engine process; its result, or its error and log tail."""
+    """Run ``gdn_pass.vllm.scenarios`` in a fresh engine process; its result, or its error and log tail."""
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
     cmd = [sys.executable, "-m", "gdn_pass.vllm.scenarios", scenario, "--model", str(model),
            "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]

@@ -14,7 +14,7 @@ import torch
 
 import vllm
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS
-from gdn_pass.vllm import compat
+from gdn_pass.vllm import builders, compat
 from gdn_pass.vllm.guarded_ops import guarded_overload
 
 # Modules that register vLLM's GDN/KDA core ops, by release.
@@ -89,7 +89,7 @@ def test_a_renamed_argument_is_a_problem(monkeypatch, registered_ops):
 
 
 def test_builder_context_from_positional_and_keyword_arguments():
-    init = compat.builder_class().__init__
+    init = builders.GDN.builder_class().__init__
     spec, names, config, device = object(), ["a.linear_attn", "b.linear_attn"], object(), "cpu"
     positional = compat.builder_context(init, None, (spec, names, config, device), {})
     keyword = compat.builder_context(init, None, (), dict(
@@ -100,7 +100,7 @@ def test_builder_context_from_positional_and_keyword_arguments():
 
 
 def test_step_inputs_from_positional_and_keyword_calls():
-    build = compat.builder_class().build
+    build = builders.GDN.builder_class().build
     common = object()
     assert compat.step_inputs(build, None, (0, common), {})[0] is common
     assert compat.step_inputs(build, None, (), dict(common_prefix_len=0, common_attn_metadata=common))[0] is common

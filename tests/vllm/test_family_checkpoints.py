@@ -123,7 +123,7 @@ def test_released_qwen3_5_layout_bug_reproduced_and_fixed(kind, engine_dir):
 # An engine with the MTP drafter, in process. vLLM inspects the drafter's class
 # (Qwen3_5MTP) in a subprocess, which imports torchvision through qwen3_5.py;
 # the project's CPU environments have none, so both classes are registered here,
-# behind the import alias, as vllm_scenarios does for the target alone.
+# behind the import alias, as gdn_pass.vllm.scenarios does for the target alone.
 _MTP_ENGINE = """
 import os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
