@@ -23,10 +23,8 @@ every kernel at its first configuration:
 
 The defaults are the preemption fuzz's small-state checkpoint (2 value heads of
 64, one key head repeated) and a step the fuzz saw move (192 + 17 tokens);
-``--kernels`` keeps the kernels whose names contain one of the words. Where the
-configurations do differ, the fuzz's engines can choose by order instead of by
-timing (``GDN_PASS_FUZZ_FLA_BY_ORDER=1``, ``harness/fla_autotune.py``). Needs
-CUDA and vLLM.
+``--kernels`` keeps the kernels whose names contain one of the words
+(found by ``harness/fla_autotune.py``). Needs CUDA and vLLM.
 """
 
 from __future__ import annotations

@@ -83,17 +83,6 @@ HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harne
 # before the stream gone. The pass also zeroes during vLLM's warm-up (its dummy rows look
 # fresh), which on the GPU changed the very first request of a Bailing MTP stream.
 CLEAN_OFF = "off+zeroed_at_start"
-# Set (to anything but "" or "0") in the engines' environment: vLLM's autotuned flash-linear-
-# attention kernels keep the first configuration that runs instead of the fastest, in every engine
-# alike (``fla_autotune.choose_by_order``). Made in the engine's process: TP1 engines only, whose
-# worker runs there. On the H200 the configurations gave the same bits and engines still split
-# (benchmarks/results/fla_autotune_bits_gpu.md): a diagnostic, not a cure for engine drift.
-FLA_BY_ORDER_ENV = "GDN_PASS_FUZZ_FLA_BY_ORDER"
-
-
-def fla_by_order_requested() -> bool:
-    """Whether this process's environment asks for ``FLA_BY_ORDER_ENV``."""
-    return os.environ.get(FLA_BY_ORDER_ENV, "0") not in ("", "0")
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of gdn_pass.vllm.scenarios.make_llm's).
@@ -358,11 +347,6 @@ def _engine_main(args) -> None:
     from harness import step_trace
 
     spec = json.loads(Path(args.spec).read_text())
-    by_order = []
-    if fla_by_order_requested():
-        from harness.fla_autotune import choose_by_order, vllm_fla_kernels
-
-        by_order = choose_by_order(vllm_fla_kernels())
     if spec.get("mutation"):
         os.environ[step_trace.MUTATION_ENV] = spec["mutation"]  # worker processes inherit it
         step_trace.apply_mutation(spec["mutation"])  # a worker in this process
@@ -378,7 +362,6 @@ def _engine_main(args) -> None:
         stream = [FuzzRequest(**{**r, "prompt": tuple(r["prompt"])}) for r in spec["stream"]]
         out = run_stream(llm, stream, trace_detail=spec.get("trace_detail", False))
     out["run_s"] = round(time.time() - start, 1)
-    out["fla_by_order"] = by_order
     Path(args.out).write_text(json.dumps(out))
 
 
@@ -601,7 +584,6 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             resume_references=sum(len(resume_points(run, r.rid)) for r in stream),
             one_token_prompts_on_prefill_path=sum(base_key(r, paths).startswith(PREFILL_PATH) for r in stream),
             prefix_cache_hits=run.get("prefix_cache_hits"), run_s=run["run_s"],
-            fla_kernels_by_order=len(run.get("fla_by_order", ())),
             rejected=sum("rejected" in v for v in results.values()),
             aborted=sum(bool(v.get("aborted")) for v in results.values()),
             mismatches_of_preempted=len(preempted_mismatches),

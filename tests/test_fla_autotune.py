@@ -1,4 +1,4 @@
-"""harness/fla_autotune.py's choice by order, and benchmarks/fla_autotune_bits.py's pinning and
+"""harness/fla_autotune.py's kernel finding, and benchmarks/fla_autotune_bits.py's pinning and
 comparison, on a toy autotuned kernel (CPU).
 
 The toy sums each row in blocks of ``BK`` (the block size sets the order of the
@@ -7,9 +7,7 @@ ignores), under a heuristic as vLLM's ``chunk_delta_h`` kernel is. It runs in
 Triton's interpreter, in a subprocess started with ``TRITON_INTERPRET=1``
 (``tests/triton_interpreter.py``). The reference for each configuration is a
 launch of the same kernel without the tuner, with that configuration's
-``BK``: the comparison must report what those launches give, and a tuner
-choosing by order must launch what the first configuration that runs gives,
-whatever the timings say.
+``BK``: the comparison must report what those launches give.
 """
 
 import json
@@ -26,7 +24,7 @@ pytest.importorskip("triton")
 
 from fla_autotune_bits import config_bits, pinned  # noqa: E402
 
-from harness.fla_autotune import autotuned_kernels, choose_by_order, find_autotuner  # noqa: E402
+from harness.fla_autotune import autotuned_kernels, find_autotuner  # noqa: E402
 
 from tests.triton_interpreter import run_in_interpreter  # noqa: E402
 
@@ -75,27 +73,11 @@ def interpreted_cases() -> dict:
         inside = tuner.configs == [before[4]] and tuner.cache == {}
     pin_restored = tuner.configs == before and tuner.cache == {(256,): before[3]}
 
-    # timings that would pick the last configuration; the first one "fails to compile"
-    _, by_order = _toy_kernels()
-    ordered = find_autotuner(by_order)
-    fake = {id(c): [float(len(before) - i)] * 3 for i, c in enumerate(ordered.configs)}
-    fake[id(ordered.configs[0])] = [float("inf")] * 3
-    ordered._bench = lambda *args, config, **meta: fake[id(config)]
-    timed_out = launch(by_order)
-    timed_choice = ordered.configs.index(ordered.best_config)
-    changed = choose_by_order({"toy": ordered})
-    ordered_out = launch(by_order)
-    order_choice = ordered.configs.index(ordered.best_config)
-    again = choose_by_order({"toy": ordered})
-
     module = types.ModuleType("ops.toy")
     module.rowsum, module.alias, module.other = tuned, tuned, 3  # alias: the same kernel twice
     found = list(autotuned_kernels([module]))
     return dict(
         report=report, cut_rows=len(cut["rows"]), cut_complete=cut["complete"], restored=restored, inside=inside, pin_restored=pin_restored, found=found,
-        timed_choice=timed_choice, order_choice=order_choice, changed=changed, again=again,
-        timed_equals={bk: torch.equal(timed_out, direct[bk]) for bk in BLOCKS},
-        ordered_equals={bk: torch.equal(ordered_out, direct[bk]) for bk in BLOCKS},
         configs=[(c.kwargs["BK"], c.num_warps, c.num_stages) for c in before],
         differing={bk: int((direct[bk] != direct[16]).sum()) for bk in BLOCKS},
         largest={bk: float((direct[bk] - direct[16]).abs().max()) for bk in BLOCKS})
@@ -129,15 +111,6 @@ def test_pinning_runs_the_chosen_configuration_and_restores_the_tuner(cases):
 
 def test_autotuned_kernels_are_found_once_under_their_wrappers(cases):
     assert cases["found"] == ["toy.rowsum"]
-
-
-def test_a_tuner_choosing_by_order_keeps_the_first_configuration_that_runs(cases):
-    """Timed, the fake timings pick the last configuration (BK=64); by order the first that runs
-    (index 1, BK=16: index 0 "failed"), and its output is a direct launch's with that BK."""
-    bks = [bk for bk, _, _ in cases["configs"]]
-    assert cases["timed_choice"] == len(bks) - 1 and cases["timed_equals"][str(bks[-1])]
-    assert cases["order_choice"] == 1 and cases["ordered_equals"][str(bks[1])]
-    assert cases["changed"] == ["toy"] and cases["again"] == []
 
 
 if __name__ == "__main__":

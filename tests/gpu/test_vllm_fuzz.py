@@ -9,11 +9,7 @@ plain indexing after each build), and the pass-on stream must equal it bit for
 bit on every request: the pass's footprint with zero tolerance, vLLM's own
 drift (align mode with prefix caching) included on both sides. Where pass on moved a request, the
 baseline and pass on run again in new engines: a move the second pass-on engine does not repeat is the
-engine's own (``fuzz_judge.engine_drift``; warned, not failed). With ``GDN_PASS_FUZZ_FLA_BY_ORDER=1``
-every engine's autotuned flash-linear-attention kernels keep the first configuration that runs, not
-the fastest (``harness/fla_autotune.py``); every engine must have done so. It does not remove the
-engines' drift (measured on the H200, ``benchmarks/results/fla_autotune_bits_gpu.md``), so moves are
-judged by the reruns as without it. With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
+engine's own (``fuzz_judge.engine_drift``; warned, not failed). With ``GDN_PASS_GPU_FUZZ_TP=2`` every engine uses tensor
 parallelism over two GPUs. ``GDN_PASS_GPU_RESULTS=DIR`` keeps each configuration's summary
 as it finishes, and a progress log.
 The benchmark form, which also writes the tables, is
@@ -52,7 +48,6 @@ TP = int(os.environ.get("GDN_PASS_GPU_FUZZ_TP", "1"))
 CONFIGS = tuple(c for c in os.environ.get("GDN_PASS_GPU_FUZZ_CONFIGS",
                                           "preempt_prefix_hits,mtp,bad_input_under_load").split(",") if c)
 SPECULATIVE = {"mtp", "bailing_linear_mtp"}
-FLA_BY_ORDER = fz.fla_by_order_requested()
 # The harness's fix zeroes no speculative row: MTP's footprint is judged against pass off on
 # an engine whose caches were zeroed after start-up (fz.CLEAN_OFF: no warm-up residue).
 # The GDN builder has the stale-slot split before vLLM 0.31 only (0.31 fixed it upstream and
@@ -75,9 +70,6 @@ GUARDS = {config: ("off", "on", fz.CLEAN_OFF) if config in SPECULATIVE else ("of
 @pytest.fixture(scope="module")
 def summaries(tmp_path_factory):
     import torch
-
-    if FLA_BY_ORDER and TP != 1:  # the choice is made in the engine's process, where TP1 runs its worker
-        pytest.fail(f"{fz.FLA_BY_ORDER_ENV} applies to TP1 engines only (GDN_PASS_GPU_FUZZ_TP={TP})")
 
     if torch.cuda.device_count() < TP:
         pytest.skip(f"tensor_parallel_size={TP} needs {TP} GPUs")
@@ -160,13 +152,6 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     assert s["footprint_baseline"] == (fz.CLEAN_OFF if config in SPECULATIVE else fz.HARNESS_FIX)
     problem = footprint_problem(s)
     assert problem is None, problem
-    if FLA_BY_ORDER:
-        assert all(run["fla_kernels_by_order"] > 0 for run in s["runs"].values()), \
-            f"{fz.FLA_BY_ORDER_ENV} set, but an engine's flash-linear-attention kernels still choose by timing"
-        # Choosing by order does not make engines repeat themselves: on the H200 (54e576b) every
-        # configuration of every autotuned kernel gave the same bits, and one bad-input run's first
-        # pass-on engine still moved q52 at #0 while a second pass-on engine equalled the baseline.
-        # So moves stay judged by the reruns (footprint_problem above), bit for bit, as without it.
     if host_noise(s):
         warnings.warn(host_noise(s))
     if s["moved_by_residue"]:  # read what a cache held before the stream; pass on = pass off
