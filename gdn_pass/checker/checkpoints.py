@@ -26,15 +26,14 @@ import torch
 
 from gdn_pass.checker import qwen_layers
 
-__all__ = ["QWEN3_NEXT_CONFIG", "LLAMA_CONFIG", "CHECKPOINTS", "EXTRA_FILES", "qwen3_next_tensors",
-           "qwen3_next_layer", "register_checkpoints", "write_checkpoint", "write_tokenizer"]
+__all__ = ["QWEN3_NEXT_CONFIG", "LLAMA_CONFIG", "TINY_GDN_DECODER", "TINY_TOKENS", "CHECKPOINTS", "EXTRA_FILES",
+           "embedding_and_head_tensors", "qwen3_next_tensors", "qwen3_next_layer", "register_checkpoints", "write_checkpoint", "write_tokenizer"]
 
-QWEN3_NEXT_CONFIG = {
-    "architectures": ["Qwen3NextForCausalLM"],
-    "model_type": "qwen3_next",
+# The tiny Qwen-style hybrid decoder every GDN checkpoint kind shares (the test harness's
+# Qwen3.5 and InternS2-Mobius too): three GDN layers, then one gated full-attention layer.
+TINY_GDN_DECODER = {
     "vocab_size": 1024,
     "hidden_size": 256,
-    "intermediate_size": 512,
     "num_hidden_layers": 4,
     "layer_types": ["linear_attention"] * 3 + ["full_attention"],
     "full_attention_interval": 4,
@@ -44,8 +43,6 @@ QWEN3_NEXT_CONFIG = {
     "hidden_act": "silu",
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "partial_rotary_factor": 0.25,
     "attention_bias": False,
     "attention_dropout": 0.0,
     "linear_conv_kernel_dim": 4,
@@ -53,6 +50,23 @@ QWEN3_NEXT_CONFIG = {
     "linear_value_head_dim": 128,
     "linear_num_key_heads": 2,
     "linear_num_value_heads": 4,
+}
+# Untied embeddings, bf16 weights, the tokenizer's special ids.
+TINY_TOKENS = {
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "use_cache": True,
+}
+
+QWEN3_NEXT_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"],
+    "model_type": "qwen3_next",
+    **TINY_GDN_DECODER,
+    "intermediate_size": 512,
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.25,
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
     "num_experts": 4,
@@ -60,11 +74,7 @@ QWEN3_NEXT_CONFIG = {
     "moe_intermediate_size": 128,
     "shared_expert_intermediate_size": 128,
     "norm_topk_prob": True,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": True,
+    **TINY_TOKENS,
 }
 
 LLAMA_CONFIG = {
@@ -83,19 +93,21 @@ LLAMA_CONFIG = {
     "rope_theta": 10000.0,
     "attention_bias": False,
     "mlp_bias": False,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": True,
+    **TINY_TOKENS,
 }
 
 
-def qwen3_next_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+def embedding_and_head_tensors(c: dict, embedding: str = "model.embed_tokens.weight",
+                               ) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """The token embedding, the final norm and the (untied) LM head of a decoder-only checkpoint."""
     h, v = c["hidden_size"], c["vocab_size"]
-    yield "model.embed_tokens.weight", (v, h)
+    yield embedding, (v, h)
     yield "model.norm.weight", (h,)
     yield "lm_head.weight", (v, h)
+
+
+def qwen3_next_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
+    yield from embedding_and_head_tensors(c)
     for i, kind in enumerate(c["layer_types"]):
         yield from qwen3_next_layer(f"model.layers.{i}", kind, c)
 
@@ -107,9 +119,7 @@ def qwen3_next_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[in
 def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
     heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
-    yield "model.embed_tokens.weight", (v, h)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (v, h)
+    yield from embedding_and_head_tensors(c)
     for i in range(c["num_hidden_layers"]):
         p = f"model.layers.{i}"
         yield f"{p}.input_layernorm.weight", (h,)

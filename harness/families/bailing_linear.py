@@ -61,6 +61,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gdn_pass.checker.checkpoints import TINY_TOKENS, embedding_and_head_tensors
 from harness.families.bailing_moe_v3 import bailing_mla, bailing_mlp
 
 CONFIG_MODULE = "configuration_bailing_linear"
@@ -112,12 +113,8 @@ BAILING_MOE_V2_5_CONFIG = {
     "hidden_act": "silu",
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+    **TINY_TOKENS,
     "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": True,
 }
 
 # With one MTP layer, for speculative decoding (method "mtp").
@@ -154,9 +151,7 @@ def _is_linear(layer: int, c: dict) -> bool:
 
 def _bailing_moe_v2_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, v = c["hidden_size"], c["vocab_size"]
-    yield "model.word_embeddings.weight", (v, h)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (v, h)
+    yield from embedding_and_head_tensors(c, "model.word_embeddings.weight")
     heads, hd = c["num_attention_heads"], c["head_dim"]
     inner = heads * hd
     for i in range(c["num_hidden_layers"]):

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gdn_pass.checker.checkpoints import TINY_TOKENS, embedding_and_head_tensors
 BAILING_MOE_V3_CONFIG = {
     "architectures": ["BailingMoeV3ForCausalLM"],
     "model_type": "bailing_hybrid",
@@ -68,12 +69,8 @@ BAILING_MOE_V3_CONFIG = {
     "max_position_embeddings": 4096,
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+    **TINY_TOKENS,
     "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": True,
 }
 
 
@@ -84,9 +81,7 @@ def _is_kda(layer: int, c: dict) -> bool:
 
 def _bailing_moe_v3_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, v = c["hidden_size"], c["vocab_size"]
-    yield "model.word_embeddings.weight", (v, h)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (v, h)
+    yield from embedding_and_head_tensors(c, "model.word_embeddings.weight")
     heads, hd = c["num_attention_heads"], c["head_dim"]
     proj = heads * hd
     for i in range(c["num_hidden_layers"]):

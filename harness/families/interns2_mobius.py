@@ -31,31 +31,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from gdn_pass.checker import qwen_layers
+from gdn_pass.checker.checkpoints import TINY_GDN_DECODER
 from harness.families import qwen_vision
 
 __all__ = ["INTERNS2_MOBIUS_CONFIG", "CHECKPOINTS"]
 
 _TEXT_CONFIG = {
     "model_type": "qwen3_5_moe_text",
-    "vocab_size": 1024,
-    "hidden_size": 256,
-    "num_hidden_layers": 4,
-    "layer_types": ["linear_attention"] * 3 + ["full_attention"],
-    "full_attention_interval": 4,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "max_position_embeddings": 4096,
-    "rms_norm_eps": 1e-6,
+    **TINY_GDN_DECODER,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "linear_conv_kernel_dim": 4,
-    "linear_key_head_dim": 128,
-    "linear_value_head_dim": 128,
-    "linear_num_key_heads": 2,
-    "linear_num_value_heads": 4,
     "num_experts": 4,
     "num_experts_per_tok": 2,
     "moe_intermediate_size": 128,

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gdn_pass.checker.checkpoints import TINY_TOKENS, embedding_and_head_tensors
 KIMI_LINEAR_CONFIG = {
     "architectures": ["KimiLinearForCausalLM"],
     "model_type": "kimi_linear",
@@ -75,20 +76,14 @@ KIMI_LINEAR_CONFIG = {
     "topk_group": 1,
     "routed_scaling_factor": 2.446,
     "num_nextn_predict_layers": 0,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+    **TINY_TOKENS,
     "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": True,
 }
 
 
 def _kimi_linear_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, v = c["hidden_size"], c["vocab_size"]
-    yield "model.embed_tokens.weight", (v, h)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (v, h)
+    h = c["hidden_size"]
+    yield from embedding_and_head_tensors(c)
     kda = c["linear_attn_config"]
     kheads, khd, width = kda["num_heads"], kda["head_dim"], kda["short_conv_kernel_size"]
     proj = kheads * khd

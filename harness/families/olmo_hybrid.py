@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+from gdn_pass.checker.checkpoints import TINY_TOKENS, embedding_and_head_tensors
 __all__ = ["OLMO_HYBRID_CONFIG", "CHECKPOINTS"]
 
 OLMO_HYBRID_CONFIG = {
@@ -54,20 +55,14 @@ OLMO_HYBRID_CONFIG = {
     "linear_value_head_dim": 64,
     "linear_conv_kernel_dim": 4,
     "linear_allow_neg_eigval": True,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+    **TINY_TOKENS,
     "pad_token_id": 0,
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-    "use_cache": True,
 }
 
 
 def _olmo_hybrid_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
     h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
-    yield "model.embed_tokens.weight", (v, h)
-    yield "model.norm.weight", (h,)
-    yield "lm_head.weight", (v, h)
+    yield from embedding_and_head_tensors(c)
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     hd = h // heads
     hk, hv = c["linear_num_key_heads"], c["linear_num_value_heads"]
