@@ -147,7 +147,7 @@ def compare_with_hook(state: dict, m, md, ids: list, qlens, computed, trace_fres
     steps where the counts differ keep their rows (``hook_disagreements``):
     which requests, their lengths as each side saw them, and vLLM's split.
     """
-    from gdn_pass.vllm import compat
+    from gdn_pass.vllm import rows
     from gdn_pass.vllm.handoff import handoff_of
 
     handoff = handoff_of(md)
@@ -161,7 +161,7 @@ def compare_with_hook(state: dict, m, md, ids: list, qlens, computed, trace_fres
     if hook_fresh == trace_fresh or len(disagreements) >= 20:
         return
     n = m.num_reqs
-    host = compat.num_computed_tokens(m, qlens.numpy(), compat.host_lengths(m))
+    host = rows.num_computed_tokens(m, qlens.numpy(), rows.host_lengths(m))
     accepted = getattr(md, "num_accepted_tokens", None)
     disagreements.append(dict(
         step=len(state.get("steps", ())) - 1, hook_fresh=hook_fresh, trace_fresh=trace_fresh,

@@ -89,7 +89,7 @@ class StateBuilder:
     state_layout: str  # "conv + recurrent" (ranks 2.. then 3) or "square" (one [H, D, D])
     architectures: tuple[str, ...]
     spec_columns: bool = False  # a speculative row stages one slot per column (1 + k)
-    # CUDA: the step's decode rows in vLLM's own device tensors (``compat.DecodeRows``), from which
+    # CUDA: the step's decode rows in vLLM's own device tensors (``rows.DecodeRows``), from which
     # one zeroing launch finds the fresh rows itself; None (or a None result): the host stages them.
     device_rows: Callable | None = None
     # Imported by the plugin at engine start. False: hooked when vLLM itself first
@@ -164,7 +164,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
         models=_GDN_MODELS, state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
         rows=rows.gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
         metadata_fields=("non_spec_state_indices_tensor", "spec_sequence_masks", "num_decodes"),
-        state_layout="conv + recurrent", device_rows=compat.decode_rows,
+        state_layout="conv + recurrent", device_rows=rows.decode_rows,
         architectures=("Qwen3NextForCausalLM", "Qwen3NextMTP", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                        "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                        "OlmoHybridForCausalLM", "InternS2MobiusForConditionalGeneration", "BailingMoeV3ForCausalLM",
@@ -186,7 +186,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
         metadata_fields=("num_decodes", "state_indices_tensor", "state_indices_tensor_d", "query_start_loc",
                          "seq_lens"),
         state_layout="square", architectures=("BailingMoeV2_5ForCausalLM",),
-        spec_columns=True, device_rows=compat.linear_decode_rows),
+        spec_columns=True, device_rows=rows.linear_decode_rows),
     StateBuilder(
         key="minimax_linear", module="v1.attention.backends.linear_attn",
         class_name="LinearAttentionMetadataBuilder",
@@ -195,7 +195,7 @@ REGISTRY: tuple[StateBuilder, ...] = (
         rows=rows.linear_rows, guards=("step",), metadata_class="LinearAttentionMetadata",
         metadata_fields=("num_decodes", "state_indices_tensor", "query_start_loc", "seq_lens"),
         state_layout="square", architectures=(),
-        device_rows=compat.linear_decode_rows),
+        device_rows=rows.linear_decode_rows),
 )
 
 

@@ -57,7 +57,6 @@ __all__ = [
     "HiddenSignature",
     "CORE_OPS",
     "CoreOp",
-    "DecodeRows",
     "TESTED_RELEASES",
     "UnsupportedVLLM",
     "unsupported",
@@ -65,12 +64,9 @@ __all__ = [
     "builder_context",
     "core_op_problems",
     "check_release",
-    "decode_rows",
     "engine_compiles",
     "fields_of",
     "inductor_pass_base",
-    "linear_decode_rows",
-    "num_computed_tokens",
     "pad_slot_ids",
     "step_inputs",
     "version_tuple",
@@ -316,150 +312,6 @@ def engine_compiles(vllm_config) -> bool:
     if mode is None:
         mode = getattr(cc, "level", 0)
     return int(mode or 0) != 0
-
-
-_SEQ_LEN_FIELDS = ("seq_lens_cpu_upper_bound", "seq_lens_cpu")
-_COMPUTED_FIELD = "num_computed_tokens_cpu"
-_HOST_LENGTH_FIELDS = (*_SEQ_LEN_FIELDS, _COMPUTED_FIELD)
-
-
-def host_lengths(common) -> tuple[torch.Tensor | None, str | None]:
-    """The host tensor ``num_computed_tokens`` reads and its field of ``common``; ``(None, None)``
-    where ``common`` has none and the counts come from the device.
-
-    Sequence lengths first: their upper bounds are exact for prefill rows and
-    only over-estimate decode rows, which have state either way.
-    """
-    for field in _HOST_LENGTH_FIELDS:
-        lengths = getattr(common, field, None)
-        if lengths is not None:
-            return lengths, field
-    return None, None
-
-
-# Numpy views of the host tensors the runners hand the builders, by (address, dtype, stride).
-# Each view holds its tensor (numpy keeps the base alive), so no other tensor can take that
-# address while the view is kept; a runner that makes new arrays every step fills it up, and
-# it starts over.
-_host_arrays: dict[tuple, np.ndarray] = {}
-_HOST_ARRAYS_KEPT = 16
-
-
-def host_array(tensor: torch.Tensor, num_reqs: int) -> np.ndarray:
-    """``tensor.numpy()[:num_reqs]`` for a 1-D host tensor, without torch's ``numpy()`` on every call.
-
-    vLLM's runners (0.26-0.33) hand each step a new view of the same persistent
-    host buffers (``query_start_loc_cpu``, the sequence lengths): ``numpy()``
-    costs about 0.9 us of dispatch on each, the lookup here about 0.5 us. The
-    view reads the buffer's memory, so it sees what the runner wrote this step.
-    """
-    size = tensor.numel()
-    if size < num_reqs:
-        num_reqs = size
-    key = (tensor.data_ptr(), tensor.dtype, tensor.stride())
-    array = _host_arrays.get(key)
-    if array is None or array.size < num_reqs:
-        array = tensor.numpy()
-        if len(_host_arrays) >= _HOST_ARRAYS_KEPT:
-            _host_arrays.clear()
-        _host_arrays[key] = array
-    return array[:num_reqs]
-
-
-def new_row_length_bound(common, field: str) -> int:
-    """The most ``field`` of ``host_lengths`` can hold for a new row of ``common``'s step.
-
-    A new row has no token computed: its sequence length is its query length,
-    at most the step's ``max_query_len`` (which vLLM's own decode/prefill split
-    trusts as the bound, 0.26-0.33); its computed count is 0. So every row whose
-    host length exceeds this bound is not new.
-    """
-    return 0 if field == _COMPUTED_FIELD else common.max_query_len
-
-
-def num_computed_tokens(common, query_lens: np.ndarray, lengths: tuple[torch.Tensor | None, str | None]) -> np.ndarray:
-    """Tokens computed before this step, per row, on the host, without a device sync where possible.
-
-    ``query_lens``: ``[num_reqs]`` numpy integers (from ``query_start_loc_cpu``);
-    ``lengths``: ``host_lengths(common)``.
-    """
-    num_reqs = query_lens.size
-    tensor, field = lengths
-    if tensor is None:
-        return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
-    if field == _COMPUTED_FIELD:
-        return host_array(tensor, num_reqs)
-    return host_array(tensor, num_reqs) - query_lens
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class DecodeRows:
-    """A step's decode rows as vLLM's own device tensors say them (``zero_rows.zero_new_rows_all``).
-
-    ``slots``: the slots the builder's decode kernels read, ``[rows]`` or
-    ``[rows, columns]`` (a speculative row reads one of its ``1 + k``
-    columns; all are its own); ``query_start_loc``: the rows' query offsets;
-    ``seq_lens``: the scheduler's per-row sequence lengths; the first
-    ``num_rows`` (``num_decodes``) rows run the decode path. Under FULL CUDA
-    graphs all three are vLLM's persistent buffers, refreshed before each
-    replay. vLLM 0.26-0.33 build them as int32 tensors on the builder's device.
-    """
-
-    slots: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    num_rows: int
-
-
-@functools.cache
-def _decode_fields_exist() -> bool:
-    """Do this release's metadata classes have every field ``decode_rows`` reads? (Asked once.)"""
-    from vllm.v1.attention import backend
-    from vllm.v1.attention.backends import gdn_attn
-
-    return ({"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
-            <= fields_of(gdn_attn.GDNAttentionMetadata) and "seq_lens" in fields_of(backend.CommonAttentionMetadata))
-
-
-def decode_rows(common, metadata) -> DecodeRows | None:
-    """GDN: the step's ``DecodeRows``, or None where they cannot say which rows are new.
-
-    ``slots`` is ``non_spec_state_indices_tensor``, ``query_start_loc`` its
-    ``non_spec_query_start_loc``. None on steps with speculative rows (their
-    fresh rows need the host's view, ``rows.gdn_rows``), on releases without
-    these fields, and on a step whose tensors are shorter than its decode
-    rows: the caller then stages the rows itself. Runs at every build, so it
-    checks only what can change from step to step (a few attribute reads, ~1 us).
-    """
-    if metadata.spec_sequence_masks is not None or not _decode_fields_exist():
-        return None
-    return _fitting(metadata.non_spec_state_indices_tensor, metadata.non_spec_query_start_loc,
-                    getattr(common, "seq_lens", None), metadata.num_decodes)
-
-
-def linear_decode_rows(common, metadata) -> DecodeRows | None:
-    """Lightning linear attention: the step's ``DecodeRows``, or None where they cannot say.
-
-    ``slots``: ``state_indices_tensor_d`` (Bailing: ``[rows, 1 + k]`` with
-    speculative decoding, else ``[rows]``), or ``state_indices_tensor``
-    (``LinearAttentionMetadata``); ``query_start_loc`` / ``seq_lens``: the
-    metadata's own, the scheduler's. The builder puts its decodes first, so a
-    fresh decode row is one of the first ``num_decodes`` whose tokens are all
-    new, speculative rows included (a fresh prompt of ``1 + k`` tokens).
-    """
-    slots = getattr(metadata, "state_indices_tensor_d", None)
-    if slots is None:
-        slots = metadata.state_indices_tensor
-    return _fitting(slots, metadata.query_start_loc, metadata.seq_lens, metadata.num_decodes)
-
-
-def _fitting(slots, starts, seq_lens, num_rows) -> DecodeRows | None:
-    if slots is None or starts is None or seq_lens is None:
-        return None
-    num_rows = int(num_rows)
-    if num_rows > slots.shape[0] or num_rows >= starts.shape[0] or num_rows > seq_lens.shape[0]:
-        return None
-    return DecodeRows(slots, starts, seq_lens, num_rows)
 
 
 # --- GDN/KDA core ops -----------------------------------------------------------

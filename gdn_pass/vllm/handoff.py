@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.compat import DecodeRows
+from gdn_pass.vllm.rows import DecodeRows
 from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["ATTR", "StepHandoff", "attach", "handoff_of"]
@@ -46,7 +46,7 @@ class StepHandoff:
     ``table``: the ``CacheTable`` of every layer of the group (CUDA only), so
     that the first guarded op of the step zeroes them all in one launch.
 
-    ``decode``: the step's ``compat.DecodeRows`` where the zeroing launch
+    ``decode``: the step's ``rows.DecodeRows`` where the zeroing launch
     finds the fresh rows in vLLM's own tensors (CUDA, no speculative rows);
     ``rows`` is then not staged for the step. None otherwise.
 

@@ -22,7 +22,7 @@ nothing (``stage_no_fresh``: ``fresh`` cleared once after a step that had
 fresh rows). On CUDA nothing is staged at all where the entry can read its
 decode rows in vLLM's own device tensors (``StateBuilder.device_rows``: GDN
 steps without speculative rows, every Lightning step): the guard's one
-zeroing launch finds the new decode rows itself (``compat.DecodeRows``: a
+zeroing launch finds the new decode rows itself (``rows.DecodeRows``: a
 row whose ``seq_len`` equals its query length), and the host only counts
 them, so that a step with none launches nothing. Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
@@ -43,7 +43,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
-from gdn_pass.vllm.rows import has_new_rows
+from gdn_pass.vllm.rows import DecodeRows, has_new_rows
 from gdn_pass.vllm.zero_rows import CacheTable
 
 __all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
@@ -228,7 +228,7 @@ def _idle_step(guard: BuilderGuard, common, metadata):
     return metadata
 
 
-def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> compat.DecodeRows | None:
+def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> DecodeRows | None:
     """The step's decode rows in vLLM's own tensors (CUDA, where the entry reads them and they fit)."""
     device_rows = guard.entry.device_rows
     if table is None or device_rows is None:

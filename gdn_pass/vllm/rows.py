@@ -27,6 +27,7 @@ is decided first, on most steps from one reduction over the host lengths.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 import torch
@@ -34,7 +35,154 @@ import torch
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat
 
-__all__ = ["HostRows", "SchedulerRows", "gdn_rows", "has_new_rows", "linear_rows", "scheduler_rows"]
+__all__ = ["DecodeRows", "HostRows", "SchedulerRows", "decode_rows", "gdn_rows", "has_new_rows", "linear_decode_rows",
+           "linear_rows", "num_computed_tokens", "scheduler_rows"]
+
+# --- a step's lengths on the host, and its decode rows in vLLM's device tensors ---------------
+
+_SEQ_LEN_FIELDS = ("seq_lens_cpu_upper_bound", "seq_lens_cpu")
+_COMPUTED_FIELD = "num_computed_tokens_cpu"
+_HOST_LENGTH_FIELDS = (*_SEQ_LEN_FIELDS, _COMPUTED_FIELD)
+
+
+def host_lengths(common) -> tuple[torch.Tensor | None, str | None]:
+    """The host tensor ``num_computed_tokens`` reads and its field of ``common``; ``(None, None)``
+    where ``common`` has none and the counts come from the device.
+
+    Sequence lengths first: their upper bounds are exact for prefill rows and
+    only over-estimate decode rows, which have state either way.
+    """
+    for field in _HOST_LENGTH_FIELDS:
+        lengths = getattr(common, field, None)
+        if lengths is not None:
+            return lengths, field
+    return None, None
+
+
+# Numpy views of the host tensors the runners hand the builders, by (address, dtype, stride).
+# Each view holds its tensor (numpy keeps the base alive), so no other tensor can take that
+# address while the view is kept; a runner that makes new arrays every step fills it up, and
+# it starts over.
+_host_arrays: dict[tuple, np.ndarray] = {}
+_HOST_ARRAYS_KEPT = 16
+
+
+def host_array(tensor: torch.Tensor, num_reqs: int) -> np.ndarray:
+    """``tensor.numpy()[:num_reqs]`` for a 1-D host tensor, without torch's ``numpy()`` on every call.
+
+    vLLM's runners (0.26-0.33) hand each step a new view of the same persistent
+    host buffers (``query_start_loc_cpu``, the sequence lengths): ``numpy()``
+    costs about 0.9 us of dispatch on each, the lookup here about 0.5 us. The
+    view reads the buffer's memory, so it sees what the runner wrote this step.
+    """
+    size = tensor.numel()
+    if size < num_reqs:
+        num_reqs = size
+    key = (tensor.data_ptr(), tensor.dtype, tensor.stride())
+    array = _host_arrays.get(key)
+    if array is None or array.size < num_reqs:
+        array = tensor.numpy()
+        if len(_host_arrays) >= _HOST_ARRAYS_KEPT:
+            _host_arrays.clear()
+        _host_arrays[key] = array
+    return array[:num_reqs]
+
+
+def new_row_length_bound(common, field: str) -> int:
+    """The most ``field`` of ``host_lengths`` can hold for a new row of ``common``'s step.
+
+    A new row has no token computed: its sequence length is its query length,
+    at most the step's ``max_query_len`` (which vLLM's own decode/prefill split
+    trusts as the bound, 0.26-0.33); its computed count is 0. So every row whose
+    host length exceeds this bound is not new.
+    """
+    return 0 if field == _COMPUTED_FIELD else common.max_query_len
+
+
+def num_computed_tokens(common, query_lens: np.ndarray, lengths: tuple[torch.Tensor | None, str | None]) -> np.ndarray:
+    """Tokens computed before this step, per row, on the host, without a device sync where possible.
+
+    ``query_lens``: ``[num_reqs]`` numpy integers (from ``query_start_loc_cpu``);
+    ``lengths``: ``host_lengths(common)``.
+    """
+    num_reqs = query_lens.size
+    tensor, field = lengths
+    if tensor is None:
+        return common.compute_num_computed_tokens()[:num_reqs].cpu().numpy()
+    if field == _COMPUTED_FIELD:
+        return host_array(tensor, num_reqs)
+    return host_array(tensor, num_reqs) - query_lens
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class DecodeRows:
+    """A step's decode rows as vLLM's own device tensors say them (``zero_rows.zero_new_rows_all``).
+
+    ``slots``: the slots the builder's decode kernels read, ``[rows]`` or
+    ``[rows, columns]`` (a speculative row reads one of its ``1 + k``
+    columns; all are its own); ``query_start_loc``: the rows' query offsets;
+    ``seq_lens``: the scheduler's per-row sequence lengths; the first
+    ``num_rows`` (``num_decodes``) rows run the decode path. Under FULL CUDA
+    graphs all three are vLLM's persistent buffers, refreshed before each
+    replay. vLLM 0.26-0.33 build them as int32 tensors on the builder's device.
+    """
+
+    slots: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    num_rows: int
+
+
+@functools.cache
+def _decode_fields_exist() -> bool:
+    """Do this release's metadata classes have every field ``decode_rows`` reads? (Asked once.)"""
+    from vllm.v1.attention import backend
+    from vllm.v1.attention.backends import gdn_attn
+
+    return ({"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
+            <= compat.fields_of(gdn_attn.GDNAttentionMetadata) and "seq_lens" in compat.fields_of(backend.CommonAttentionMetadata))
+
+
+def decode_rows(common, metadata) -> DecodeRows | None:
+    """GDN: the step's ``DecodeRows``, or None where they cannot say which rows are new.
+
+    ``slots`` is ``non_spec_state_indices_tensor``, ``query_start_loc`` its
+    ``non_spec_query_start_loc``. None on steps with speculative rows (their
+    fresh rows need the host's view, ``rows.gdn_rows``), on releases without
+    these fields, and on a step whose tensors are shorter than its decode
+    rows: the caller then stages the rows itself. Runs at every build, so it
+    checks only what can change from step to step (a few attribute reads, ~1 us).
+    """
+    if metadata.spec_sequence_masks is not None or not _decode_fields_exist():
+        return None
+    return _fitting(metadata.non_spec_state_indices_tensor, metadata.non_spec_query_start_loc,
+                    getattr(common, "seq_lens", None), metadata.num_decodes)
+
+
+def linear_decode_rows(common, metadata) -> DecodeRows | None:
+    """Lightning linear attention: the step's ``DecodeRows``, or None where they cannot say.
+
+    ``slots``: ``state_indices_tensor_d`` (Bailing: ``[rows, 1 + k]`` with
+    speculative decoding, else ``[rows]``), or ``state_indices_tensor``
+    (``LinearAttentionMetadata``); ``query_start_loc`` / ``seq_lens``: the
+    metadata's own, the scheduler's. The builder puts its decodes first, so a
+    fresh decode row is one of the first ``num_decodes`` whose tokens are all
+    new, speculative rows included (a fresh prompt of ``1 + k`` tokens).
+    """
+    slots = getattr(metadata, "state_indices_tensor_d", None)
+    if slots is None:
+        slots = metadata.state_indices_tensor
+    return _fitting(slots, metadata.query_start_loc, metadata.seq_lens, metadata.num_decodes)
+
+
+def _fitting(slots, starts, seq_lens, num_rows) -> DecodeRows | None:
+    if slots is None or starts is None or seq_lens is None:
+        return None
+    num_rows = int(num_rows)
+    if num_rows > slots.shape[0] or num_rows >= starts.shape[0] or num_rows > seq_lens.shape[0]:
+        return None
+    return DecodeRows(slots, starts, seq_lens, num_rows)
+
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -151,7 +299,7 @@ def has_new_rows(common) -> bool:
 
     Most steps of a serving engine have none, and most of those are proven so by
     one reduction over the host lengths: every row's length exceeds what a new
-    row's can be (``compat.new_row_length_bound``); two more where a FULL CUDA
+    row's can be (``new_row_length_bound``); two more where a FULL CUDA
     graph's padding rows follow the real ones. Only other steps compute the
     step's ``SchedulerRows`` (which builders with new rows read anyway). Same
     answer as ``scheduler_rows(common).num_new != 0`` on every step.
@@ -162,11 +310,11 @@ def has_new_rows(common) -> bool:
     last = _last_step[0]
     if last is not None and _is_step(last.key, common, starts_cpu):
         return last.num_new != 0
-    tensor, field = compat.host_lengths(common)
+    tensor, field = host_lengths(common)
     if tensor is not None:
         num_reqs = common.num_reqs
-        lengths = compat.host_array(tensor, num_reqs)
-        bound = compat.new_row_length_bound(common, field)
+        lengths = host_array(tensor, num_reqs)
+        bound = new_row_length_bound(common, field)
         # argmin, not min: numpy's reductions cost about 1.5 us of per-call overhead, argmin 0.3 us
         least = lengths.argmin() if num_reqs else None
         if least is not None and lengths[least] == 0 and bound > 0:  # bound > 0: sequence lengths
@@ -203,13 +351,13 @@ def scheduler_rows(common) -> SchedulerRows:
     last = _last_step[0]
     if last is not None and _is_step(last.key, common, starts_cpu):
         return last
-    lengths = compat.host_lengths(common)
+    lengths = host_lengths(common)
     num_reqs = common.num_reqs
     # numpy on views of vLLM's host tensors: a torch op on a few dozen CPU
     # elements costs several microseconds of dispatch, numpy's about one.
-    starts = compat.host_array(starts_cpu, num_reqs + 1)
+    starts = host_array(starts_cpu, num_reqs + 1)
     query_lens = starts[1 : num_reqs + 1] - starts[:num_reqs]
-    computed = compat.num_computed_tokens(common, query_lens, lengths)
+    computed = num_computed_tokens(common, query_lens, lengths)
     new = computed == 0
     num_new = int(np.count_nonzero(new))
     if num_new:  # a row without tokens is not new (vLLM schedules none; most steps have no new row)

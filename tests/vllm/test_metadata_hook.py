@@ -8,6 +8,7 @@ import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import builders, compat, metadata_hook
+from gdn_pass.vllm import rows as vllm_rows
 from gdn_pass.vllm.rows import gdn_rows
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
@@ -281,8 +282,9 @@ def test_unconfigured_engine_survives_a_broken_adapter(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("adapter bug")
 
-    for name in ("builder_context", "step_inputs", "wrapped_build", "num_computed_tokens"):
+    for name in ("builder_context", "step_inputs", "wrapped_build"):
         monkeypatch.setattr(compat, name, broken)
+    monkeypatch.setattr(vllm_rows, "num_computed_tokens", broken)
     builder = new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
     assert handoff_of(builder.build(0, bug_step())) is None
 

@@ -121,12 +121,12 @@ def test_a_fresh_row_naming_the_padding_slot_writes_nothing(monkeypatch):
 
 
 def test_steps_without_speculative_rows_read_the_new_rows_from_vllms_tensors(monkeypatch):
-    """With ``compat.DecodeRows`` attached (CUDA steps without speculative rows) the
+    """With ``rows.DecodeRows`` attached (CUDA steps without speculative rows) the
     staged rows are not read: the group launch gets vLLM's own tensors, and a layer
     outside the table zeroes exactly the new decode rows (``seq_len == query_len``)
     of the first ``num_rows``, its slots a column of a block table."""
     from gdn_pass.vllm import op_guard
-    from gdn_pass.vllm.compat import DecodeRows
+    from gdn_pass.vllm.rows import DecodeRows
 
     grouped, alone = poisoned_layer(), poisoned_layer()
     alone.prefix = "model.layers.1.linear_attn"

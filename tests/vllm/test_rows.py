@@ -18,6 +18,7 @@ import itertools
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,7 +105,7 @@ def test_a_step_without_new_rows_is_proven_without_its_scheduler_rows(monkeypatc
                   padded_num_reqs=padded_num_reqs)
     monkeypatch.setattr(rows, "scheduler_rows", lambda c: pytest.fail("scheduler rows computed"))
     assert rows.has_new_rows(common) is False
-    monkeypatch.setattr(compat, "host_lengths", lambda c: pytest.fail("lengths read again"))
+    monkeypatch.setattr(rows, "host_lengths", lambda c: pytest.fail("lengths read again"))
     assert rows.has_new_rows(copy.copy(common)) is False
 
 
@@ -130,3 +131,60 @@ def test_inference_tensors_refilled_in_place_are_a_new_step():
         assert rows.has_new_rows(common) is True
         assert rows.scheduler_rows(common).new.tolist() == [False, True, False]
     assert rows.has_new_rows(step([30, 0], [1, 1], "seq_lens_cpu")) is True  # outside inference mode too
+
+
+def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
+    """``decode_rows`` hands the zeroing launch vLLM's tensors only on steps without
+    speculative rows whose tensors cover the decode rows; otherwise
+    None, and the metadata hook stages the rows itself."""
+    from types import SimpleNamespace
+
+    import torch
+
+    common = SimpleNamespace(seq_lens=torch.tensor([5, 1, 0], dtype=torch.int32))
+
+    def metadata(**fields):
+        base = dict(spec_sequence_masks=None, num_decodes=2,
+                    non_spec_state_indices_tensor=torch.tensor([[4, 0], [6, 0], [0, 0]], dtype=torch.int32)[:, 0],
+                    non_spec_query_start_loc=torch.tensor([0, 1, 2, 2], dtype=torch.int32))
+        return SimpleNamespace(**{**base, **fields})
+
+    found = rows.decode_rows(common, metadata())
+    assert found is not None and found.num_rows == 2 and found.slots.tolist() == [4, 6, 0]
+    assert rows.decode_rows(common, metadata(spec_sequence_masks=torch.tensor([True, False, False]))) is None
+    assert rows.decode_rows(common, metadata(non_spec_state_indices_tensor=None)) is None
+    assert rows.decode_rows(common, metadata(num_decodes=4)) is None  # more rows than lengths
+    assert rows.decode_rows(SimpleNamespace(), metadata()) is None
+    assert rows.decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(2, dtype=torch.int32))) is None
+
+
+def _reference(tensor: torch.Tensor, num_reqs: int) -> list[int]:
+    return tensor.tolist()[:num_reqs]
+
+
+def test_host_array_reads_views_of_one_buffer_as_the_runner_refills_it(monkeypatch):
+    monkeypatch.setattr(rows, "_host_arrays", {})
+    buffer = torch.zeros(64, dtype=torch.int32)  # a runner's persistent host buffer
+    for step, num_reqs in enumerate([1, 8, 64, 5, 64, 3]):
+        buffer[:num_reqs] = torch.arange(num_reqs, dtype=torch.int32) + 100 * step  # this step's lengths
+        view = buffer[:num_reqs]  # a new view object every step
+        assert rows.host_array(view, num_reqs).tolist() == _reference(view, num_reqs)
+        # asked for fewer rows than the view has (padding left out), and for more (the view's length)
+        assert rows.host_array(view, num_reqs - 1).tolist() == _reference(view, num_reqs - 1)
+        assert rows.host_array(view, num_reqs + 7).tolist() == _reference(view, num_reqs + 7)
+
+
+def test_host_array_tells_apart_tensors_at_one_address():
+    base = torch.arange(32, dtype=torch.int32)
+    strided, as_int16 = base[::2], base.view(torch.int16)
+    for tensor in (base[:16], strided, as_int16, base[:16], strided, as_int16):
+        assert tensor.data_ptr() == base.data_ptr()
+        assert rows.host_array(tensor, 16).tolist() == _reference(tensor, 16)
+
+
+def test_host_array_with_new_arrays_every_step_starts_over(monkeypatch):
+    monkeypatch.setattr(rows, "_host_arrays", {})
+    for step in range(3 * rows._HOST_ARRAYS_KEPT):  # a runner that makes new host arrays (torch.from_numpy)
+        tensor = torch.from_numpy(np.arange(step, step + 9, dtype=np.int32))
+        assert rows.host_array(tensor, 9).tolist() == _reference(tensor, 9)
+        assert len(rows._host_arrays) <= rows._HOST_ARRAYS_KEPT
