@@ -170,12 +170,13 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
 
 def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwargs: dict, metadata):
     """Stage the step's rows to zero, and zero them here where the step guard owns the group."""
-    common = kwargs.get("common_attn_metadata")  # vLLM 0.26's runner: by keyword
+    common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM 0.26's runner: by keyword
     if common is None:
-        common, _ = compat.step_inputs(original_build, builder, args, kwargs)
+        common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     if guard.settled and not has_new_rows(common):
         return _idle_step(guard, common, metadata)
-    common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
+    if draft_counts is _UNREAD:  # the step's inputs are read once per build
+        common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = guard.rows
     if rows is None:
         rows = guard.rows = _new_rows(builder, guard.context, guard.entry)
@@ -294,6 +295,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
 
 
 _STEP = step_guard.Owner.STEP
+_UNREAD = object()  # _guard_step: the draft counts not read yet
 
 
 def _decide_owner(guard: BuilderGuard) -> step_guard.Owner:
