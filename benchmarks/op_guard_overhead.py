@@ -6,7 +6,7 @@ captured in CUDA graphs and timed by replay, interleaved:
 
     step   flash-linear-attention's fused recurrent decode on gathered state,
            written back (a stand-in for vLLM's GDN decode of one layer)
-    guard  gdn_pass.vllm.zero_rows on the conv and recurrent caches
+    guard  gdn_pass.kernels.zero_rows on the conv and recurrent caches
 
     python benchmarks/op_guard_overhead.py [--out DIR]
 """
@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_graph_timing import capture, replay_ms  # noqa: E402
 from gdn_pass.metadata import StagedRowMetadata  # noqa: E402
-from gdn_pass.vllm.zero_rows import zero_rows  # noqa: E402
+from gdn_pass.kernels.zero_rows import zero_rows  # noqa: E402
 
 HK, HV, K, V, CONV_DIM, SLOTS = 16, 32, 128, 128, 8192, 1024
 

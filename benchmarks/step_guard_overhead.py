@@ -6,9 +6,9 @@ and timed by replay, interleaved:
 
     step       L x flash-linear-attention's fused recurrent decode on gathered
                state, written back (a stand-in for vLLM's GDN decode layers)
-    per_layer  gdn_pass.vllm.zero_rows on each layer's conv and recurrent cache
+    per_layer  gdn_pass.kernels.zero_rows on each layer's conv and recurrent cache
                (2L launches: the guard as each guarded op ran it before)
-    one_launch gdn_pass.vllm.zero_rows_all on all 2L caches (what the first
+    one_launch gdn_pass.kernels.zero_rows_all on all 2L caches (what the first
                guarded op of a step now runs; the other layers skip)
 
     python benchmarks/step_guard_overhead.py [--layers 36] [--slots 128] [--out DIR]
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_graph_timing import capture, replay_ms  # noqa: E402
 from gdn_pass.metadata import StagedRowMetadata  # noqa: E402
-from gdn_pass.vllm.zero_rows import CacheTable, zero_rows, zero_rows_all  # noqa: E402
+from gdn_pass.kernels.zero_rows import CacheTable, zero_rows, zero_rows_all  # noqa: E402
 
 HK, HV, K, V, CONV_DIM = 16, 32, 128, 128, 8192
 CASES = ((1, 0), (1, 1), (32, 0), (32, 1), (32, 16), (256, 0), (256, 1), (256, 128))

@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from gdn_pass.vllm import zero_rows
-from gdn_pass.vllm.zero_rows import CacheTable, zero_new_rows_all, zero_rows_all
+from gdn_pass.kernels import zero_rows
+from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_rows_all
 
 
 def timed(name, fn, n=300):

@@ -1,7 +1,7 @@
 """The group zeroing launch on CUDA: this grid against the previous one, per count of fresh rows.
 
 One launch zeroes the fresh rows' slots in every cache of a GDN layer group
-(``gdn_pass.vllm.zero_rows.zero_rows_all``). Caches at Qwen3-Next-80B's
+(``gdn_pass.kernels.zero_rows.zero_rows_all``). Caches at Qwen3-Next-80B's
 dimensions, three GDN layers (one vLLM group): conv state [8192, 3] bf16 and
 recurrent state [32, 128, 128] (``--ssm-dtype``), 1024 slots; rows staged as
 the metadata hook stages them (``stage_fresh``, capacity ``--max-rows``).
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.cuda_graph_timing import capture, replay_ms  # noqa: E402
 from gdn_pass.metadata import StagedRowMetadata  # noqa: E402
-from gdn_pass.vllm.zero_rows import CacheTable, zero_rows_all  # noqa: E402
+from gdn_pass.kernels.zero_rows import CacheTable, zero_rows_all  # noqa: E402
 
 LAYERS, HV, K, V, CONV_DIM, SLOTS = 3, 32, 128, 128, 8192, 1024
 

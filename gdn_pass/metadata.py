@@ -216,7 +216,7 @@ class StagedRowMetadata:
         target.copy_(torch.from_numpy(flags), non_blocking=True)
 
     def _fused_stage(self, num_computed_tokens, query_lens, state_slots, zero_start_rows, n) -> bool:
-        """CUDA: one flags copy and one launch (``gdn_pass.stage_kernel``) instead of ~20 launches.
+        """CUDA: one flags copy and one launch (``gdn_pass.kernels.stage``) instead of ~20 launches.
 
         Taken when the per-row counts are on the host (as vLLM's are) and the
         slots already on this device; False leaves the staging to PyTorch ops.
@@ -224,14 +224,14 @@ class StagedRowMetadata:
         if (self.device.type != "cuda" or num_computed_tokens.is_cuda or query_lens.is_cuda
                 or state_slots.device != self.state_slot.device or len(self.pad_slot_ids) > 2):
             return False
-        from gdn_pass import stage_kernel
+        from gdn_pass.kernels import stage
 
         pads = self.pad_slot_ids
         # From pageable memory: on the H200 a build enqueued behind 2 ms of GPU
         # work returns in ~0.1 ms either way, and a pinned block costs ~12 us more
         # per build (an earlier hook_host_time run; git history).
-        flags = stage_kernel.row_flags(query_lens, num_computed_tokens)
-        stage_kernel.stage_rows_fused(
+        flags = stage.row_flags(query_lens, num_computed_tokens)
+        stage.stage_rows_fused(
             flags=flags.to(self.device, non_blocking=True),
             slots=state_slots,
             zero_start_rows=zero_start_rows if zero_start_rows is not None else (0, 0),

@@ -2,7 +2,7 @@
 
 Host-side counts and device slots, as vLLM's builder hands them over. Each
 step is staged by a CUDA ``StagedRowMetadata`` (the fused path, checked to be
-taken) and compared with the per-row reference of ``tests/test_stage_kernel.py``
+taken) and compared with the per-row reference of ``tests/kernels/test_stage.py``
 and with a CPU ``StagedRowMetadata`` (the PyTorch path) of the same step.
 """
 
@@ -11,9 +11,9 @@ import random
 import pytest
 import torch
 
-from gdn_pass import stage_kernel
+from gdn_pass.kernels import stage
 from gdn_pass.metadata import StagedRowMetadata
-from tests.test_stage_kernel import PADS, naive_stage, random_batch
+from tests.kernels.test_stage import PADS, naive_stage, random_batch
 
 FIELDS = ("has_initial_state", "valid", "reads_state", "fresh", "state_slot")
 
@@ -25,8 +25,8 @@ def staged(rows):
 @pytest.mark.parametrize("max_rows", [16, 256, 1100])
 def test_fused_stage_on_cuda(monkeypatch, max_rows):
     launches = []
-    fused = stage_kernel.stage_rows_fused
-    monkeypatch.setattr(stage_kernel, "stage_rows_fused", lambda **kw: launches.append(1) or fused(**kw))
+    fused = stage.stage_rows_fused
+    monkeypatch.setattr(stage, "stage_rows_fused", lambda **kw: launches.append(1) or fused(**kw))
     on_cuda = StagedRowMetadata(max_rows, device="cuda", pad_slot_ids=PADS)
     on_cpu = StagedRowMetadata(max_rows, device="cpu", pad_slot_ids=PADS)
     rng = random.Random(max_rows)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.zero_rows import CacheTable, zero_rows_all
+from gdn_pass.kernels.zero_rows import CacheTable, zero_rows_all
 
 NUM_SLOTS, MAX_ROWS, LAYERS = 48, 16, 3
 
@@ -124,7 +124,7 @@ def test_slots_larger_than_a_chunk_and_more_work_than_programs(captured):
     fixed grid zeroes many chunks. Only the fresh rows' slots change."""
     import numpy as np
 
-    from gdn_pass.vllm import zero_rows as module
+    from gdn_pass.kernels import zero_rows as module
 
     num_slots, max_rows = 160, 128
     words = 3 * module._CHUNK_WORDS + 1000  # three full chunks and a ragged one
@@ -172,7 +172,7 @@ def test_captured_launch_finds_new_rows_in_vllms_persistent_buffers(graph_rows):
     the runner's ``query_start_loc`` / ``seq_lens``, which each step refreshes in
     place (rows past the step's requests padded: no tokens, slot 0). Each replay
     zeroes exactly the slots of the rows whose one token is their first."""
-    from gdn_pass.vllm.zero_rows import zero_new_rows_all
+    from gdn_pass.kernels.zero_rows import zero_new_rows_all
 
     layers = [layer_caches() for _ in range(LAYERS)]
     table = CacheTable.build([t for conv, ssm, _ in layers for t in (conv, ssm)])
@@ -211,8 +211,8 @@ def test_launches_after_the_first_go_through_the_c_launcher_and_zero_the_same_ro
     aligned: another compiled kernel), row counts that change. After a layout's first
     launch the launch skips Triton's binder (``fast_launch``); each step must zero exactly
     the fresh rows' slots of every column and layer, as a naive reference says."""
-    from gdn_pass.vllm import zero_rows
-    from gdn_pass.vllm.zero_rows import zero_new_rows_all
+    from gdn_pass.kernels import zero_rows
+    from gdn_pass.kernels.zero_rows import zero_new_rows_all
 
     layers = [layer_caches() for _ in range(LAYERS)]
     table = CacheTable.build([t for conv, ssm, _ in layers for t in (conv, ssm)])

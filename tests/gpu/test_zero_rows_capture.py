@@ -8,7 +8,7 @@ import random
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.zero_rows import zero_rows
+from gdn_pass.kernels.zero_rows import zero_rows
 
 NUM_SLOTS, MAX_ROWS = 64, 16
 

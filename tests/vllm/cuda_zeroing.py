@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from gdn_pass.vllm.zero_rows import CacheTable
+from gdn_pass.kernels.zero_rows import CacheTable
 
 ENV = "GDN_PASS_TEST_CUDA_ZEROING"
 ROOT = Path(__file__).resolve().parents[2]

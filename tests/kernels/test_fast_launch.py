@@ -17,8 +17,8 @@ triton = pytest.importorskip("triton")
 from triton.knobs import HookChain  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
-from gdn_pass.vllm import fast_launch  # noqa: E402
-from gdn_pass.vllm.fast_launch import Launcher  # noqa: E402
+from gdn_pass.kernels import fast_launch  # noqa: E402
+from gdn_pass.kernels.fast_launch import Launcher  # noqa: E402
 
 STREAM = 1234
 

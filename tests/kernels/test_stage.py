@@ -15,7 +15,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from gdn_pass import stage_kernel  # noqa: E402
+from gdn_pass.kernels import stage  # noqa: E402
 
 PADS = (-1, 0)
 
@@ -43,15 +43,15 @@ def interpreted():
     is reloaded with it set; ``stage_rows_fused`` picks the kernel up on its
     next launch.
     """
-    from gdn_pass import _stage_kernels
+    from gdn_pass.kernels import _stage_triton
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("TRITON_INTERPRET", "1")
-        importlib.reload(_stage_kernels)
-        stage_kernel._kernel = None
+        importlib.reload(_stage_triton)
+        stage._kernel = None
         yield
-    importlib.reload(_stage_kernels)
-    stage_kernel._kernel = None
+    importlib.reload(_stage_triton)
+    stage._kernel = None
 
 
 def random_batch(rng, n):
@@ -77,9 +77,9 @@ def test_fused_stage_matches_naive_reference(interpreted, n, max_rows, slot_dtyp
         fresh=torch.ones(max_rows, dtype=torch.bool),
         state_slot=torch.full((max_rows,), 12345, dtype=torch.int64),
     )
-    flags = stage_kernel.row_flags(torch.tensor(query_lens, dtype=torch.int64),
+    flags = stage.row_flags(torch.tensor(query_lens, dtype=torch.int64),
                                    torch.tensor(computed, dtype=torch.int32))
-    stage_kernel.stage_rows_fused(flags=flags, slots=slot_table[:, 0], zero_start_rows=zero_start_rows,
+    stage.stage_rows_fused(flags=flags, slots=slot_table[:, 0], zero_start_rows=zero_start_rows,
                                   pad_slot_ids=PADS, **buffers)
     got = list(zip(*(buffers[k].tolist() for k in
                      ("has_initial_state", "valid", "reads_state", "fresh", "state_slot"))))
@@ -90,7 +90,7 @@ def test_one_sentinel_is_passed_twice(interpreted):
     """A layout with one padding sentinel: slot 0 is then a real slot."""
     buffers = {k: torch.zeros(16, dtype=torch.bool) for k in ("has_initial_state", "valid", "reads_state", "fresh")}
     buffers["state_slot"] = torch.zeros(16, dtype=torch.int64)
-    stage_kernel.stage_rows_fused(flags=stage_kernel.row_flags(torch.tensor([1, 1]), torch.tensor([0, 0])),
+    stage.stage_rows_fused(flags=stage.row_flags(torch.tensor([1, 1]), torch.tensor([0, 0])),
                                   slots=torch.tensor([0, -1]), zero_start_rows=(0, 0), pad_slot_ids=(-1, -1),
                                   **buffers)
     assert buffers["valid"][:2].tolist() == [True, False]

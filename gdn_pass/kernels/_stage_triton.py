@@ -1,6 +1,6 @@
-"""The Triton kernel of ``stage_kernel.stage_rows_fused``.
+"""The Triton kernel of ``stage.stage_rows_fused``.
 
-Imports Triton: ``stage_kernel`` imports this module on its first launch
+Imports Triton: ``stage`` imports this module on its first launch
 (CUDA), never when ``gdn_pass`` is imported. ``triton.jit`` reads
 ``TRITON_INTERPRET`` when it decorates, so a process that wants the CPU
 interpreter sets it before this module is imported (or reloads it).

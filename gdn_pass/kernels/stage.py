@@ -22,7 +22,7 @@ the device; outputs ``[max_rows]`` (bool, bool, bool, bool, int64), rows
 copy does not wait for the stream (measured: ``StagedRowMetadata._fused_stage``)
 and nothing is read back.
 
-The kernel is ``gdn_pass._stage_kernels.stage_rows_kernel``; it and Triton are
+The kernel is ``gdn_pass.kernels._stage_triton.stage_rows_kernel``; it and Triton are
 imported on the first launch, so this module imports where Triton does not.
 """
 
@@ -34,7 +34,7 @@ import torch
 __all__ = ["stage_rows_fused", "row_flags"]
 
 _BLOCK = 1024
-_kernel = None  # _stage_kernels.stage_rows_kernel, once launched
+_kernel = None  # _stage_triton.stage_rows_kernel, once launched
 
 
 def row_flags(query_lens: torch.Tensor, num_computed_tokens: torch.Tensor) -> torch.Tensor:
@@ -80,9 +80,9 @@ def stage_rows_fused(
     """
     global _kernel
     if _kernel is None:
-        from gdn_pass import _stage_kernels  # imports Triton
+        from gdn_pass.kernels import _stage_triton  # imports Triton
 
-        _kernel = _stage_kernels.stage_rows_kernel
+        _kernel = _stage_triton.stage_rows_kernel
     n = flags.numel()
     max_rows = state_slot.numel()
     grid = ((max_rows + _BLOCK - 1) // _BLOCK,)

@@ -34,7 +34,7 @@ whose rows read vLLM's ``non_spec_state_indices_tensor``: nothing to stage.
 Both launch through ``fast_launch``: after a kernel's first launch, its
 compiled kernel's C launcher alone.
 
-The kernels are in ``gdn_pass.vllm._zero_kernels``; it and Triton are imported
+The kernels are in ``gdn_pass.kernels._zero_triton``; it and Triton are imported
 on the first CUDA launch, so this module imports where Triton does not.
 """
 
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_pass.vllm.fast_launch import Launcher
+from gdn_pass.kernels.fast_launch import Launcher
 
 __all__ = ["zero_rows", "zero_rows_all", "zero_new_rows_all", "CacheTable"]
 
@@ -96,7 +96,7 @@ def _dense_slots(cache: torch.Tensor) -> bool:
     return True
 
 
-_kernel = None  # _zero_kernels.zero_fresh_rows_kernel, once launched
+_kernel = None  # _zero_triton.zero_fresh_rows_kernel, once launched
 
 
 def _zero_rows_triton(cache: torch.Tensor, slot: torch.Tensor, fresh: torch.Tensor) -> None:
@@ -173,7 +173,7 @@ def zero_rows_all(table: CacheTable, slot: torch.Tensor, fresh: torch.Tensor) ->
                   _CHUNK_WORDS, block_rows, _BLOCK)
 
 
-_multi_kernel = None  # fast_launch.Launcher of _zero_kernels.zero_fresh_rows_all_kernel, once launched
+_multi_kernel = None  # fast_launch.Launcher of _zero_triton.zero_fresh_rows_all_kernel, once launched
 # A work item zeroes this many 4-byte words of one slot: 64 KiB, so a 2 MiB
 # recurrent slot is 32 items spread over the GPU, and a small conv slot one.
 _CHUNK_WORDS = 16384
@@ -236,7 +236,7 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
                      query_start_loc, seq_lens, num_rows, num_caches, chunks, _CHUNK_WORDS, block_rows, _BLOCK)
 
 
-_new_rows_kernel = None  # fast_launch.Launcher of _zero_kernels.zero_new_rows_all_kernel, once launched
+_new_rows_kernel = None  # fast_launch.Launcher of _zero_triton.zero_new_rows_all_kernel, once launched
 
 
 def _layout(*tensors: torch.Tensor) -> tuple:
@@ -246,6 +246,6 @@ def _layout(*tensors: torch.Tensor) -> tuple:
 
 def _kernels():
     """The kernel module, imported on the first launch: it imports Triton, which CPU engines may lack."""
-    from gdn_pass.vllm import _zero_kernels
+    from gdn_pass.kernels import _zero_triton
 
-    return _zero_kernels
+    return _zero_triton

@@ -1,7 +1,7 @@
 """The Triton kernels of ``zero_rows.zero_rows``, ``zero_rows_all`` and ``zero_new_rows_all``.
 
 Imports Triton: ``zero_rows`` imports this module on its first CUDA launch,
-never when ``gdn_pass.vllm`` is imported (CPU engines may lack Triton).
+never when ``gdn_pass`` or its vLLM adapter is imported (CPU engines may lack Triton).
 ``triton.jit`` reads ``TRITON_INTERPRET`` when it decorates, so a process
 that wants the CPU interpreter sets it before this module is imported.
 """
