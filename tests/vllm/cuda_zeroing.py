@@ -43,7 +43,8 @@ def cpu_table(caches: list[torch.Tensor]) -> CacheTable:
 def take_the_cuda_path(monkeypatch, launches: list) -> None:
     """Guards zero through the one-launch table and vLLM's device rows only; ``launches`` gets
     ``(guard, cache address)`` for every cache each device-row launch covers."""
-    from gdn_pass.vllm import metadata_hook, op_guard, step_guard, zero_rows
+    from gdn_pass.kernels import zero_rows
+    from gdn_pass.vllm import metadata_hook, op_guard, step_guard
 
     monkeypatch.setattr(metadata_hook, "_cache_table", lambda caches, device: cpu_table(caches) if caches else None)
     monkeypatch.setattr(zero_rows, "_programs", lambda device: 3)  # fewer programs than work items
