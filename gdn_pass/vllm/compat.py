@@ -47,7 +47,6 @@ import inspect
 import re
 from typing import Any
 
-import numpy as np
 import torch
 
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, LOOKS_LIKE_STATE_OP, schema_mismatch

@@ -20,9 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
-from gdn_pass.kernels.zero_rows import CacheTable
 
 __all__ = ["ATTR", "StepHandoff", "attach", "handoff_of"]
 

@@ -39,12 +39,12 @@ import functools
 
 import torch
 
+from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
 from gdn_pass.vllm.rows import DecodeRows, has_new_rows
-from gdn_pass.kernels.zero_rows import CacheTable
 
 __all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
 

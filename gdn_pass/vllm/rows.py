@@ -139,8 +139,9 @@ def _decode_fields_exist() -> bool:
     from vllm.v1.attention import backend
     from vllm.v1.attention.backends import gdn_attn
 
-    return ({"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
-            <= compat.fields_of(gdn_attn.GDNAttentionMetadata) and "seq_lens" in compat.fields_of(backend.CommonAttentionMetadata))
+    needed = {"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
+    return (needed <= compat.fields_of(gdn_attn.GDNAttentionMetadata)
+            and "seq_lens" in compat.fields_of(backend.CommonAttentionMetadata))
 
 
 def decode_rows(common, metadata) -> DecodeRows | None:

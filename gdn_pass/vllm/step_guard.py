@@ -52,8 +52,8 @@ import enum
 
 import torch
 
-from gdn_pass.vllm.handoff import StepHandoff
 from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
+from gdn_pass.vllm.handoff import StepHandoff
 
 __all__ = ["Owner", "activity", "decide_owner", "guarded_layers", "note_guarded_layer", "note_stand_down",
            "stood_down", "zero_group"]
