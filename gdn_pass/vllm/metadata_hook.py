@@ -41,7 +41,7 @@ import torch
 
 from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import builders, compat, step_guard, support
+from gdn_pass.vllm import builders, compat, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
 from gdn_pass.vllm.rows import DecodeRows, has_new_rows
@@ -66,7 +66,9 @@ class BuilderGuard:
     ``StagedRowMetadata`` (made at the first build); ``owner``: the guard that
     zeroes its group (decided at the first build, then fixed); ``group``:
     the first layer's ``kv_cache`` object, the group's state tensors and
-    (CUDA) their ``CacheTable`` (``_group_state``).
+    (CUDA) their ``CacheTable`` (``_group_state``); ``prompt_chunks``: the
+    repair of prompt rows on a speculating Lightning builder's decode path
+    (``prompt_chunks.for_builder``), or None.
     """
 
     entry: builders.StateBuilder
@@ -75,6 +77,7 @@ class BuilderGuard:
     rows: StagedRowMetadata | None = None
     owner: step_guard.Owner | None = None
     group: tuple | None = None
+    prompt_chunks: prompt_chunks.PromptChunks | None = None
     # Set at the first build, once ``rows`` and ``owner`` are: later steps without a new
     # row take ``_idle_step`` (the common case, kept to a few attribute reads).
     settled: bool = False
@@ -145,6 +148,13 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
             return original_build(self, *args, **kwargs)
         if guard.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
+        chunks = guard.prompt_chunks
+        if chunks is not None:
+            common, draft_counts = compat.step_inputs(original_build, self, args, kwargs)
+            kwargs = chunks.call_kwargs(common, kwargs)
+            metadata = original_build(self, *args, **kwargs)
+            chunks.keep_state_in_first_column(self, common, draft_counts, metadata)
+            return _guard_step(self, guard, original_build, args, kwargs, metadata)
         metadata = original_build(self, *args, **kwargs)
         # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
         return _guard_step(self, guard, original_build, args, kwargs, metadata)
@@ -289,6 +299,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         _info_once(f"update-block-table:{entry.key}",
                    f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
                    "update_block_table shortcut would bypass the guard)")
+    guard.prompt_chunks = prompt_chunks.for_builder(entry, builder, context.vllm_config)
     if decision.keeps_decodes:
         guard.keeps_decodes = True
         _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")

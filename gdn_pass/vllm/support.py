@@ -213,12 +213,12 @@ def reroute_holds(vllm_config) -> str | None:
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     if mode is None or not mode.has_full_cudagraphs():
         return "and this engine captures no FULL CUDA graphs"
-    if _runs_v2_model_runner(vllm_config):
+    if runs_v2_model_runner(vllm_config):
         return "and the V2 model runner keeps steps with a fresh prefill off FULL decode graphs"
     return None
 
 
-def _runs_v2_model_runner(vllm_config) -> bool:
+def runs_v2_model_runner(vllm_config) -> bool:
     """The V2 model runner: chosen by the config where vLLM has both (0.31-0.33), the only one where the
     V1 runner's module is gone (0.34 removed it)."""
     if importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None:
