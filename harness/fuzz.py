@@ -68,8 +68,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, engine_drift, first_token_mismatch,
-                                fresh_reads, fresh_reads_other_builders, largest_shift, one_token_paths,
-                                perturbed_by_pass, resume_points, resumed_drift)
+                                fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows, largest_shift,
+                                one_token_paths, perturbed_by_pass, resume_points, resumed_drift,
+                                spec_prompt_rows)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
            "HARNESS_FIX", "CLEAN_OFF"]
@@ -116,6 +117,13 @@ ENGINE_CONFIGS: dict[str, dict] = {
 GPU_ALIGN_CHUNKS = dict(long_prefill_token_threshold=256, max_num_batched_tokens=8 * 256)
 GPU_ENGINE_CONFIGS: dict[str, dict] = {
     name: GPU_ALIGN_CHUNKS for name, cfg in ENGINE_CONFIGS.items() if cfg.get("enable_prefix_caching")
+}
+# The reference engines' own settings. Lightning with MTP: a prompt whose last chunk has 1 + k
+# tokens runs that chunk alone in its step, where vLLM's V1 runner replays the speculative FULL
+# graph on another step's decode buffers (gdn_pass/vllm/prompt_chunks.py): the isolated run
+# captures no FULL graph, so that it computes the chunk from the step's own metadata.
+REFERENCE_ENGINE_CONFIGS: dict[str, dict] = {
+    "bailing_linear_mtp": dict(compilation_config={"cudagraph_mode": "PIECEWISE"}),
 }
 # The checkpoint kind each configuration runs (tiny_checkpoints), and its stream shape.
 CONFIG_CHECKPOINT: dict[str, str] = {"preempt_prefix_hits": "qwen3_next_small_state",
@@ -350,9 +358,10 @@ def _engine_main(args) -> None:
     if spec.get("mutation"):
         os.environ[step_trace.MUTATION_ENV] = spec["mutation"]  # worker processes inherit it
         step_trace.apply_mutation(spec["mutation"])  # a worker in this process
+    own = REFERENCE_ENGINE_CONFIGS.get(spec["config"], {}) if spec["role"] == "reference" else {}
     llm = make_llm(spec["model"], guard=spec["guard"], report_dir=spec.get("report_dir"),
                    worker_extension_cls=TRACE_EXTENSION,
-                   **{**engine_settings(spec["config"]), **spec.get("engine_args", {})})
+                   **{**engine_settings(spec["config"]), **spec.get("engine_args", {}), **own})
     if spec.get("mutation") == step_trace.ZEROED_AT_START:
         _zero_all_caches(llm)  # what the engine's warm-up left in its caches, gone
     start = time.time()
@@ -608,7 +617,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         base_trace = ran[f"stream_{config}_s{seed}_{baseline}"]
         base_run = base_trace["results"]
         on_trace = ran[f"stream_{config}_s{seed}_{pass_on}"]
-        acted = set(fresh_reads(on_trace))
+        # the guard's fresh rows, and the prompt rows gdn_pass.vllm.prompt_chunks repairs
+        acted = set(fresh_reads(on_trace)) | set(spec_prompt_rows(on_trace))
         summary["acted_on"] = sorted(acted, key=lambda rid: int(rid[1:]))
         # A request the guard acted on through another builder only (an MTP drafter's: the
         # trace's step figures follow one builder) is acted on too: it is left out of the
@@ -620,7 +630,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         acted_on, stale_in_baseline = set(), set()
         if baseline != HARNESS_FIX:
             acted_on = acted | acted_elsewhere
-            stale_in_baseline = (set(fresh_reads(base_trace)) | set(fresh_reads_other_builders(base_trace))) - acted_on
+            stale_in_baseline = (set(fresh_reads(base_trace)) | set(fresh_reads_other_builders(base_trace))
+                                 | set(spec_prompt_rows(base_trace)) | set(full_graph_prefill_rows(base_trace))
+                                 ) - acted_on
             acted_on |= stale_in_baseline
         summary["stale_in_baseline"] = sorted(stale_in_baseline, key=lambda rid: int(rid[1:]))
         perturbed = perturbed_by_pass(base_run, on_run, acted_on)
@@ -632,7 +644,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             # the warm pass-off engine (H200, GDN mtp: 3 of 60 requests, pass on = pass off bit
             # for bit). The pass's footprint is what moved against both baselines.
             off_trace = ran[f"stream_{config}_s{seed}_off"]
-            off_stale = set(fresh_reads(off_trace)) | set(fresh_reads_other_builders(off_trace))
+            off_stale = (set(fresh_reads(off_trace)) | set(fresh_reads_other_builders(off_trace))
+                         | set(spec_prompt_rows(off_trace)) | set(full_graph_prefill_rows(off_trace)))
             moved_against_off = perturbed_by_pass(off_trace["results"], on_run, acted | acted_elsewhere | off_stale)
             residue = set(perturbed) - set(moved_against_off)
             perturbed = {rid: pos for rid, pos in perturbed.items() if rid in moved_against_off}

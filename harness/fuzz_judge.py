@@ -104,6 +104,16 @@ def fresh_reads_other_builders(run: dict) -> dict[str, str]:
     return _per_request(run, "fresh_reads_other_builders")
 
 
+def spec_prompt_rows(run: dict) -> dict[str, str]:
+    """Requests that ran prompt tokens on the speculative decode path (``step_trace.spec_prompt_rows``)."""
+    return _per_request(run, "spec_prompt_rows")
+
+
+def full_graph_prefill_rows(run: dict) -> dict[str, str]:
+    """Requests of steps whose FULL decode graph replayed on a build with prefills."""
+    return _per_request(run, "full_graph_prefill_rows")
+
+
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
     """The reference a request's first tokens are judged by: its prompt alone, or, for a
     one-token prompt that vLLM ran through its prefill kernels, the same on that path."""

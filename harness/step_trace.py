@@ -38,6 +38,11 @@ every worker that loads this extension, for diagnostic runs (or, for
     zeroed_at_start         no change to the guard: the harness zeroes every cache
                             once the engine has started, before the stream (what
                             the caches held before the stream changes)
+    chunk_rows_one_slot     (Lightning, MTP) a row of prompt tokens (no draft tokens,
+                            more than one token) that the builder put on its
+                            speculative decode path gets its row's column-0 slot in
+                            every column: the kernel then reads and leaves the
+                            state in the slot the next step reads (issue 44's probe)
 """
 
 from __future__ import annotations
@@ -136,6 +141,15 @@ def slot_reading_fresh_rows(ids: list, num_computed_tokens: list[int], query_len
             if c == 0 and q > 0 and path != "prefill"}
 
 
+def spec_prompt_rows(ids: list, query_lens: list[int], paths: list[str], draft_counts) -> dict[str, str]:
+    """The requests of a step's rows that run more than one prompt token on the speculative path
+    (no draft tokens: ``draft_counts`` -1, or None where no row of the step has any): the rows
+    ``gdn_pass.vllm.prompt_chunks`` repairs -> "spec"."""
+    drafts = [-1] * len(ids) if draft_counts is None else [int(x) for x in draft_counts[: len(ids)]]
+    return {rid: path for rid, q, path, d in zip(ids, query_lens, paths, drafts)
+            if path == "spec" and q > 1 and d < 0}
+
+
 def compare_with_hook(state: dict, m, md, ids: list, qlens, computed, trace_fresh: int) -> None:
     """Compare the plugin hook's count of rows to zero with this trace's count of fresh rows.
 
@@ -210,6 +224,8 @@ class StepTrace:
         state["one_token_paths"] = {}
         state["fresh_reads"] = {}
         state["fresh_reads_other_builders"] = {}
+        state["spec_prompt_rows"] = {}
+        state["full_graph_prefill_rows"] = {}
         state["hook_compared"] = 0
         state["hook_disagreements"] = []
         state["runner"] = getattr(self, "model_runner", None)
@@ -238,7 +254,7 @@ class StepTrace:
         def record(builder, original_build, args, kwargs, md) -> None:
             if state["builder"] is None:
                 state["builder"] = id(builder)
-            m, _ = compat.step_inputs(original_build, builder, args, kwargs)
+            m, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
             qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[: m.num_reqs]
             computed = m.compute_num_computed_tokens()[: m.num_reqs].cpu()
             paths = metadata_row_paths(md, m.num_reqs)
@@ -265,6 +281,13 @@ class StepTrace:
                 if c == 0 and q == 1:
                     state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
             state["fresh_reads"].update(slot_reading_fresh_rows(ids, computed.tolist(), qlens.tolist(), paths))
+            state["spec_prompt_rows"].update(spec_prompt_rows(ids, qlens.tolist(), paths, draft_counts))
+            dispatch = state["dispatch"]
+            if dispatch is not None and dispatch["mode"] == "FULL" and md.num_prefills > 0:
+                # the runner replays a FULL decode graph on a step its builder split with prefills:
+                # the graph reads decode buffers this build did not stage (prompt_chunks)
+                state["full_graph_prefill_rows"].update(
+                    {rid: "prefill" for rid, q in zip(ids, qlens.tolist()) if q > 0})
             compare_with_hook(state, m, md, ids, qlens, computed, state["steps"][-1]["rows"]["fresh_decode"])
             if state["detail"]:
                 all_slots = [] if slots is None else slots.tolist()
@@ -349,10 +372,16 @@ class StepTrace:
                     fresh_reads=dict(state.get("fresh_reads", {})),
                     # the same from the step's other builders (other groups, an MTP drafter's)
                     fresh_reads_other_builders=dict(state.get("fresh_reads_other_builders", {})),
+                    # rows of prompt tokens the builder ran on its speculative path
+                    spec_prompt_rows=dict(state.get("spec_prompt_rows", {})),
+                    # rows of steps whose FULL decode graph replayed on a build with prefills
+                    full_graph_prefill_rows=dict(state.get("full_graph_prefill_rows", {})),
                     # the plugin hook's count of rows to zero against this trace's, per step
                     hook_compared_steps=state.get("hook_compared", 0),
                     hook_disagreements=list(state.get("hook_disagreements", [])),
-                    spec_steps=sum(s["rows"]["spec"] > 0 for s in steps))
+                    spec_steps=sum(s["rows"]["spec"] > 0 for s in steps),
+                    # rows the chunk_rows_one_slot mutation gave one slot (diagnostic runs only)
+                    chunk_rows_one_slot=sum(_ACTIVE.get("chunk_rows_one_slot", ())))
 
 
 MUTATION_ENV = "GDN_FUZZ_MUTATION"
@@ -475,9 +504,51 @@ def _harness_zeroing() -> None:
         builder_class.build = functools.wraps(original)(build)
 
 
+def _chunk_rows_one_slot() -> None:
+    """Lightning with MTP: after every build, each speculative-path row that runs prompt
+    tokens (no draft tokens, ``query_len > 1``) reads and writes its column-0 slot only."""
+    import torch
+
+    from gdn_pass.vllm import builders, compat
+
+    def one_slot(builder, original_build, args, kwargs, md) -> None:
+        slots_d = getattr(md, "state_indices_tensor_d", None)
+        if slots_d is None or slots_d.dim() != 2 or getattr(md, "num_accepted_tokens", None) is None:
+            return
+        m, drafts = compat.step_inputs(original_build, builder, args, kwargs)
+        decodes = int(md.num_decodes)
+        if drafts is None or decodes == 0:
+            return
+        qlens = (m.query_start_loc_cpu[1:] - m.query_start_loc_cpu[:-1])[:decodes]
+        rows = [i for i in range(decodes) if int(drafts[i]) < 0 and int(qlens[i]) > 1]
+        if not rows:
+            return
+        persistent = getattr(builder, "decode_state_indices_tensor", None)
+        if persistent is None or slots_d.untyped_storage().data_ptr() != persistent.untyped_storage().data_ptr():
+            slots_d = slots_d.clone()  # a view of the runner's block table otherwise
+            md.state_indices_tensor_d = slots_d
+        index = torch.tensor(rows, device=slots_d.device)
+        slots_d[index] = slots_d[index, :1].expand(-1, slots_d.shape[1])
+        counts = _ACTIVE.setdefault("chunk_rows_one_slot", [])
+        counts.append(len(rows))
+
+    for _entry, builder_class in builders.installed():
+        if "build" not in vars(builder_class):
+            continue
+        original = builder_class.build
+
+        def build(builder, *args, _original=original, **kwargs):
+            md = _original(builder, *args, **kwargs)
+            one_slot(builder, _original, args, kwargs, md)
+            return md
+
+        builder_class.build = functools.wraps(original)(build)
+
+
 ZEROED_AT_START = "zeroed_at_start"
 _MUTATIONS = {"skip_zeroing": _skip_zeroing, "zeroing_without_writes": _zeroing_without_writes,
               "nudge_live_rows": _nudge_live_rows, "harness_zeroing": _harness_zeroing,
+              "chunk_rows_one_slot": _chunk_rows_one_slot,
               ZEROED_AT_START: lambda: None}  # done by the driver (harness.fuzz), not in the worker
 
 

@@ -5,7 +5,7 @@ the other rows split by ``split_decodes_and_prefills(m, decode_threshold=1)``,
 which counts the leading rows of at most one token as decodes.
 """
 
-from harness.step_trace import row_kinds, row_paths, slot_reading_fresh_rows
+from harness.step_trace import row_kinds, row_paths, slot_reading_fresh_rows, spec_prompt_rows
 
 
 def test_fresh_one_token_row_in_a_step_without_prefill_is_the_trigger():
@@ -86,6 +86,16 @@ def _step(host_seq_lens, qlens, device_computed, *, num_decodes, host_fresh, col
                          state_indices_tensor_d=None if columns is None else t.zeros(num_decodes, columns),
                          gdn_pass_handoff=StepHandoff(rows=None, host_fresh=host_fresh))
     return m, md, t.tensor(qlens, dtype=t.int32), t.tensor(device_computed, dtype=t.int32)
+
+
+def test_prompt_rows_on_the_speculative_path_are_those_without_drafts_and_of_several_tokens():
+    ids = ["a", "b", "c", "d", "e"]
+    paths = ["spec", "spec", "spec", "spec", "prefill"]
+    # a: speculating (1 draft); b: a prompt's last chunk; c: one prompt token; d: padding; e: prefill
+    found = spec_prompt_rows(ids, [2, 2, 1, 0, 8], paths, [1, -1, -1, -1, -1])
+    assert found == {"b": "spec"}
+    # no draft counts from the runner: no row of the step has drafts
+    assert spec_prompt_rows(ids, [2, 2, 1, 0, 8], paths, None) == {"a": "spec", "b": "spec"}
 
 
 def test_hook_and_trace_agreeing_is_counted_and_keeps_no_rows():
