@@ -96,10 +96,15 @@ class PromptChunks:
         decodes = int(metadata.num_decodes)
         if accepted is None or slots is None or slots.dim() != 2 or decodes == 0:
             return 0
-        qlens = np.diff(common.query_start_loc_cpu[: decodes + 1].numpy())
-        prompt = qlens > 1
+        no_draft = None
         if draft_counts is not None:  # None: no request of the step has drafts
-            prompt &= draft_counts[:decodes].numpy() < 0
+            drafts = draft_counts.numpy()[:decodes]
+            if drafts.min() >= 0:  # every decode row speculates: the common step, one check
+                return 0
+            no_draft = drafts < 0
+        prompt = np.diff(common.query_start_loc_cpu.numpy()[: decodes + 1]) > 1
+        if no_draft is not None:
+            prompt &= no_draft
         rows = np.flatnonzero(prompt)
         if rows.size == 0:
             return 0
