@@ -8,7 +8,7 @@ blocks in one run:
     repair_us            the repair's own calls as the hook makes them (reading the
                          step's inputs, ``call_kwargs``, ``keep_state_in_first_column``)
     with_us / without_us the whole hooked build with the repair attached and
-                         detached (``BuilderGuard.prompt_chunks`` set / None), in
+                         detached (``BuilderState.prompt_chunks`` set / None), in
                          ABBA blocks: context; on a shared host its spread is far
                          larger than ``repair_us``
 
@@ -133,11 +133,11 @@ def main() -> int:
     args = ap.parse_args()
     import vllm
 
-    from gdn_pass.vllm.metadata_hook import guard_of
+    from gdn_pass.vllm.metadata_hook import state_of
 
     builder, device = make_builder(max(args.batches))
     builder.build(0, *cases(1, device)["speculating 1"][:1])  # the first build settles the guard
-    guard = guard_of(builder)
+    guard = state_of(builder)
     repair = guard.prompt_chunks
     assert repair is not None, "the repair is not attached: is this vLLM's V1 runner?"
     rows = []

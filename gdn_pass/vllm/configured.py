@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gdn_pass.state_pass import GDNStatePass as _CoreGDNStatePass
+from gdn_pass import state_pass
 from gdn_pass.vllm import compat
 
 __all__ = ["PASS_HOOKS", "SERVE_PASS", "configured_pass", "publish"]
@@ -53,6 +53,6 @@ def configured_pass(compilation_config):
         candidate = inductor.get(hook, by_name.get(hook))
         if isinstance(candidate, str):
             candidate = _BY_NAME.get(candidate)
-        if isinstance(candidate, _CoreGDNStatePass) and isinstance(candidate, compat.inductor_pass_base()):
+        if isinstance(candidate, state_pass.GDNStatePass) and isinstance(candidate, compat.inductor_pass_base()):
             return candidate
     return None

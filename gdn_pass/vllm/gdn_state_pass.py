@@ -1,8 +1,13 @@
-"""GDNStatePass as a vLLM InductorPass (the form vLLM's compilation config accepts)."""
+"""GDNStatePass as a vLLM InductorPass (the form vLLM's compilation config accepts).
+
+The same pass as the core's ``gdn_pass.state_pass.GDNStatePass`` (the rewrite,
+its options and its report), with vLLM's ``InductorPass`` interface mixed in:
+vLLM's compilation config takes only such passes, and hashes them by ``uuid()``.
+"""
 
 from __future__ import annotations
 
-from gdn_pass.state_pass import GDNStatePass as _TorchGDNStatePass
+from gdn_pass import state_pass
 from gdn_pass.vllm import compat
 from gdn_pass.vllm.configured import PASS_HOOKS, SERVE_PASS, configured_pass
 from gdn_pass.vllm.plugin import install
@@ -10,7 +15,7 @@ from gdn_pass.vllm.plugin import install
 __all__ = ["GDNStatePass", "PASS_HOOKS", "SERVE_PASS", "configured_pass"]
 
 
-class GDNStatePass(_TorchGDNStatePass, compat.inductor_pass_base()):
+class GDNStatePass(state_pass.GDNStatePass, compat.inductor_pass_base()):
     """Enable the fix with::
 
         LLM(..., compilation_config={"inductor_compile_config":

@@ -46,18 +46,18 @@ from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
 from gdn_pass.vllm.rows import DecodeRows, has_new_rows
 
-__all__ = ["BuilderGuard", "guard_of", "install", "is_installed"]
+__all__ = ["BuilderState", "state_of", "install", "is_installed"]
 
 from gdn_pass._logging import logger
 
 _MARK = builders.HOOK_MARK
 # The one attribute gdn-pass sets on a builder it acts for.
-_BUILDER_GUARD = "_gdn_pass_guard"
+_BUILDER_STATE = "_gdn_pass_state"
 _warned: set[str] = set()
 
 
 @dataclasses.dataclass(eq=False, slots=True)
-class BuilderGuard:
+class BuilderState:
     """What the hook keeps for one builder it acts for (one KV-cache group of state layers).
 
     ``entry`` / ``context``: its registry entry and what vLLM gave its
@@ -83,10 +83,10 @@ class BuilderGuard:
     settled: bool = False
 
 
-def guard_of(builder) -> BuilderGuard | None:
+def state_of(builder) -> BuilderState | None:
     """The hook's state for ``builder``; None where it does not act for it (not configured,
     stood down, or not a registered builder)."""
-    return builder.__dict__.get(_BUILDER_GUARD)
+    return builder.__dict__.get(_BUILDER_STATE)
 
 
 def is_installed() -> bool:
@@ -142,22 +142,22 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
 
     @functools.wraps(original_build)
     def build(self, *args, **kwargs):
-        guard = self.__dict__.get(_BUILDER_GUARD)
-        if guard is None or guard.entry is not entry:
+        state = self.__dict__.get(_BUILDER_STATE)
+        if state is None or state.entry is not entry:
             # not configured, stood down, or a subclass's own hook acts
             return original_build(self, *args, **kwargs)
-        if guard.keeps_decodes:
+        if state.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
-        chunks = guard.prompt_chunks
+        chunks = state.prompt_chunks
         if chunks is not None:
             common, draft_counts = compat.step_inputs(original_build, self, args, kwargs)
             kwargs = chunks.call_kwargs(common, kwargs)
             metadata = original_build(self, *args, **kwargs)
             chunks.keep_state_in_first_column(self, common, draft_counts, metadata)
-            return _guard_step(self, guard, original_build, args, kwargs, metadata)
+            return _guard_step(self, state, original_build, args, kwargs, metadata)
         metadata = original_build(self, *args, **kwargs)
         # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
-        return _guard_step(self, guard, original_build, args, kwargs, metadata)
+        return _guard_step(self, state, original_build, args, kwargs, metadata)
 
     setattr(build, _MARK, True)
     cls.__init__ = __init__
@@ -178,27 +178,27 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
     return (*args[:at], common, *args[at + 1:]), kwargs
 
 
-def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwargs: dict, metadata):
+def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata):
     """Stage the step's rows to zero, and zero them here where the step guard owns the group."""
     common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM 0.26's runner: by keyword
     if common is None:
         common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
-    if guard.settled and not has_new_rows(common):
-        return _idle_step(guard, common, metadata)
+    if state.settled and not has_new_rows(common):
+        return _idle_step(state, common, metadata)
     if draft_counts is _UNREAD:  # the step's inputs are read once per build
         common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
-    rows = guard.rows
+    rows = state.rows
     if rows is None:
-        rows = guard.rows = _new_rows(builder, guard.context, guard.entry)
-    step = guard.entry.rows(common, metadata, draft_counts)
+        rows = state.rows = _new_rows(builder, state.context, state.entry)
+    step = state.entry.rows(common, metadata, draft_counts)
     fresh = step.fresh
-    owner = guard.owner
+    owner = state.owner
     if owner is None:
-        owner = guard.owner = _decide_owner(guard)
-        guard.settled = True
+        owner = state.owner = _decide_owner(state)
+        state.settled = True
     step_owned = owner is _STEP
-    caches, table = _group_state(guard)
-    decode = _device_rows(guard, table, common, metadata)
+    caches, table = _group_state(state)
+    decode = _device_rows(state, table, common, metadata)
     if decode is None:  # else the zeroing launch finds the new rows in vLLM's tensors
         if fresh:  # only what the guards read: the rows to zero and their slots
             step.stage_fresh(rows)
@@ -210,7 +210,7 @@ def _guard_step(builder, guard: BuilderGuard, original_build, args: tuple, kwarg
     return attach(metadata, handoff)
 
 
-def _idle_step(guard: BuilderGuard, common, metadata):
+def _idle_step(state: BuilderState, common, metadata):
     """Attach the hand-off of a step without a new row (most steps of a serving engine): nothing to zero.
 
     No row of any builder is read (``rows`` module invariant: a row to zero
@@ -221,31 +221,31 @@ def _idle_step(guard: BuilderGuard, common, metadata):
     it cannot be built inside capture. Kept to attribute reads and one
     allocation: it runs once per builder on nearly every step.
     """
-    rows = guard.rows
+    rows = state.rows
     if not rows.fresh_clear:
         rows.stage_no_fresh(rows.num_rows)
-    kept = guard.group  # _group_state's identity check, inlined
+    kept = state.group  # _group_state's identity check, inlined
     if kept is not None and getattr(kept[3].get(kept[4]), "kv_cache", None) is kept[0]:
         table = kept[2]
     else:
-        table = _group_state(guard)[1]
-    step_owned = guard.owner is _STEP
-    if table is None or guard.entry.device_rows is None:
+        table = _group_state(state)[1]
+    step_owned = state.owner is _STEP
+    if table is None or state.entry.device_rows is None:
         handoff = StepHandoff(rows, 0, table, None, step_owned)
     else:
         handoff = StepHandoff(rows, 0, table, None, step_owned, False, _device_rows,
-                              (guard, table, common, metadata))
+                              (state, table, common, metadata))
     setattr(metadata, ATTR, handoff)
     return metadata
 
 
-def _device_rows(guard: BuilderGuard, table: CacheTable | None, common, metadata) -> DecodeRows | None:
+def _device_rows(state: BuilderState, table: CacheTable | None, common, metadata) -> DecodeRows | None:
     """The step's decode rows in vLLM's own tensors (CUDA, where the entry reads them and they fit)."""
-    device_rows = guard.entry.device_rows
+    device_rows = state.entry.device_rows
     if table is None or device_rows is None:
         return None
     decode = device_rows(common, metadata)
-    if decode is not None and decode.num_rows > guard.rows.max_rows:
+    if decode is not None and decode.num_rows > state.rows.max_rows:
         return None
     return decode
 
@@ -259,7 +259,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
     builder vLLM already fixed says so once and keeps nothing: its builds pass
     straight through.
     """
-    if _BUILDER_GUARD in builder.__dict__:  # hooked twice (a subclass's hook and its base's): decided once
+    if _BUILDER_STATE in builder.__dict__:  # hooked twice (a subclass's hook and its base's): decided once
         return
     vllm_config = kwargs.get("vllm_config") or next(
         (a for a in args if hasattr(a, "compilation_config")), None)
@@ -289,7 +289,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
                    f"gdn-pass: {decision.why}; standing down for {entry.class_name} ({entry.models}): "
                    "no per-step work")
         return
-    guard = builder.__dict__[_BUILDER_GUARD] = BuilderGuard(entry, context)
+    state = builder.__dict__[_BUILDER_STATE] = BuilderState(entry, context)
     if getattr(builder, "supports_update_block_table", False):
         # vLLM would build this metadata for the first group of a step only and derive the
         # other groups' by update_block_table (dataclasses.replace): no hook would run for
@@ -299,9 +299,9 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         _info_once(f"update-block-table:{entry.key}",
                    f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
                    "update_block_table shortcut would bypass the guard)")
-    guard.prompt_chunks = prompt_chunks.for_builder(entry, builder, context.vllm_config)
+    state.prompt_chunks = prompt_chunks.for_builder(entry, builder, context.vllm_config)
     if decision.keeps_decodes:
-        guard.keeps_decodes = True
+        state.keeps_decodes = True
         _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")
 
 
@@ -309,9 +309,9 @@ _STEP = step_guard.Owner.STEP
 _UNREAD = object()  # _guard_step: the draft counts not read yet
 
 
-def _decide_owner(guard: BuilderGuard) -> step_guard.Owner:
+def _decide_owner(state: BuilderState) -> step_guard.Owner:
     """Which guard zeroes this group's fresh slots: decided at the first build, then fixed."""
-    context, entry = guard.context, guard.entry
+    context, entry = state.context, state.entry
     owner = step_guard.decide_owner(
         context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config))
     uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
@@ -324,7 +324,7 @@ def _decide_owner(guard: BuilderGuard) -> step_guard.Owner:
     return owner
 
 
-def _group_state(guard: BuilderGuard) -> tuple[list[torch.Tensor], CacheTable | None]:
+def _group_state(state: BuilderState) -> tuple[list[torch.Tensor], CacheTable | None]:
     """Every state tensor (conv, recurrent, ...) of the group's layers, and (CUDA) their one-launch table.
 
     Kept per builder while the group's first layer keeps the same ``kv_cache``
@@ -333,17 +333,17 @@ def _group_state(guard: BuilderGuard) -> tuple[list[torch.Tensor], CacheTable | 
     one identity check per build covers the group (12 layers in Qwen3-Next-80B's
     groups). The table is built here, outside CUDA-graph capture.
     """
-    kept = guard.group
+    kept = state.group
     if kept is not None:  # (first layer's kv_cache, caches, table, forward context, first layer's name)
         if getattr(kept[3].get(kept[4]), "kv_cache", None) is kept[0]:
             return kept[1], kept[2]
-    context = guard.context
+    context = state.context
     forward_context = context.vllm_config.compilation_config.static_forward_context
     bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
     caches = [t for kv_cache in bound for t in (kv_cache or ())
               if isinstance(t, torch.Tensor) and t.numel()]
     table = _cache_table(caches, context.device)
-    guard.group = (bound[0], caches, table, forward_context, context.layer_names[0])
+    state.group = (bound[0], caches, table, forward_context, context.layer_names[0])
     return caches, table
 
 

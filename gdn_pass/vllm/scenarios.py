@@ -158,7 +158,7 @@ class StepRecorder:
                     num_prefills=md.num_prefills,
                     state_slots=None if slots is None else slots.tolist(),
                     # the metadata hook acts for this builder (None: not configured, or stood down)
-                    hook_acts=metadata_hook.guard_of(builder) is not None,
+                    hook_acts=metadata_hook.state_of(builder) is not None,
                     **_speculative_columns(md),
                 )
             )

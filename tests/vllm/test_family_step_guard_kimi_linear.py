@@ -90,7 +90,7 @@ def test_step_guard_zeroes_kimi_state_at_metadata_build(monkeypatch):
         block_table_tensor=torch.tensor([[3], [5], [0]], dtype=torch.int32))
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
     assert metadata.num_prefills == 0 and metadata.has_initial_state is None, "vLLM calls it a decode"
-    assert metadata_hook.guard_of(builder).owner is step_guard.Owner.STEP
+    assert metadata_hook.state_of(builder).owner is step_guard.Owner.STEP
 
     others = [s for s in range(NUM_SLOTS) if s != 5]
     for name, layer in layers.items():

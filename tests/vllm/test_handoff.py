@@ -26,7 +26,7 @@ def test_the_hook_sets_one_attribute_on_vllms_metadata(monkeypatch, op_guard_own
     monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
     builder = new_builder(vllm_config(configured=True), like_0_26=False, monkeypatch=monkeypatch)
     if op_guard_owns:
-        monkeypatch.setattr(metadata_hook.guard_of(builder), "owner", step_guard.Owner.OP)
+        monkeypatch.setattr(metadata_hook.state_of(builder), "owner", step_guard.Owner.OP)
     metadata = builder.build(0, bug_step())
     plain = builder.build.__wrapped__(builder, 0, bug_step())
     assert set(vars(metadata)) - set(vars(plain)) == {handoff.ATTR}

@@ -426,7 +426,7 @@ def test_a_step_without_new_rows_leaves_the_decode_rows_to_a_capture(monkeypatch
     monkeypatch.setattr(metadata_hook, "_cache_table",
                         lambda caches, device: tables.append(list(caches)) or SimpleNamespace(caches=caches))
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    entry = metadata_hook.guard_of(builder).entry
+    entry = metadata_hook.state_of(builder).entry
     found, decode_rows = [], SimpleNamespace(num_rows=3)
     monkeypatch.setitem(entry.__dict__, "device_rows",
                         lambda common, metadata: found.append((common, metadata)) or decode_rows)
@@ -468,5 +468,5 @@ def test_the_cost_benchmarks_clock_sees_every_build(monkeypatch):
     assert handoff_of(builder.build(common_prefix_len=0, common_attn_metadata=step_of(
         [11, 2, 32], [1, 1, 1], [3, 4, 5]))).host_fresh == 0
     # one timed call per build, two where vLLM 0.31+'s split is kept on the decode path first
-    calls_per_build = 2 if metadata_hook.guard_of(builder).keeps_decodes else 1
+    calls_per_build = 2 if metadata_hook.state_of(builder).keeps_decodes else 1
     assert len(clock.calls) == 3 * calls_per_build

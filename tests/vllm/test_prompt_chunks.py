@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from gdn_pass.vllm import prompt_chunks, support
-from gdn_pass.vllm.metadata_hook import guard_of
+from gdn_pass.vllm.metadata_hook import state_of
 from tests.vllm.test_linear_attention_builders import (
     NUM_BLOCKS, SLOPE, D, H, lightning_spec_decode_stand_in, new_linear_builder, poisoned_caches, qkv, step)
 from tests.vllm.test_metadata_hook import vllm_config
@@ -93,7 +93,7 @@ def test_prompt_chunk_next_to_a_speculating_row_keeps_its_state_for_the_next_ste
     if configured:
         assert first.state_indices_tensor_d.tolist() == [[3, 4], [6, 6]]
         assert torch.equal(out2, expected)
-        assert guard_of(builder).prompt_chunks.rows_repaired == 1
+        assert state_of(builder).prompt_chunks.rows_repaired == 1
     else:  # vLLM as is: the state after the chunk's first token only
         assert first.state_indices_tensor_d.tolist() == [[3, 4], [6, 7]]
         assert not torch.allclose(out2, expected)
@@ -136,7 +136,7 @@ def test_a_step_without_drafts_stages_the_full_graph_buffers_it_replays(configur
         assert builder.decode_state_indices_tensor[0].tolist() == [6, 6]
         assert torch.equal(replayed, expected)
         assert torch.equal(caches[0][3], other)  # the earlier request's state untouched
-        assert guard_of(builder).prompt_chunks.steps_staged == 1
+        assert state_of(builder).prompt_chunks.steps_staged == 1
     else:
         assert (alone.num_decodes, alone.num_prefills) == (0, 1)
         assert builder.decode_state_indices_tensor[0].tolist() == [3, 4]  # the earlier step's
@@ -171,7 +171,7 @@ def test_steps_no_full_graph_replays_build_as_vllm(mode, qlens, computed):
     md = builder.build(0, step(computed, qlens, blocks))
     plain = type(builder).build.__wrapped__(builder, 0, step(computed, qlens, blocks))
     assert (md.num_decodes, md.num_prefills) == (plain.num_decodes, plain.num_prefills)
-    assert md.num_accepted_tokens is None and guard_of(builder).prompt_chunks.steps_staged == 0
+    assert md.num_accepted_tokens is None and state_of(builder).prompt_chunks.steps_staged == 0
 
 
 def test_rows_with_drafts_and_one_token_rows_are_never_changed():
@@ -180,24 +180,24 @@ def test_rows_with_drafts_and_one_token_rows_are_never_changed():
     md = builder.build(0, common, num_accepted_tokens=torch.tensor([2, 1, 1], dtype=torch.int32),
                        num_decode_draft_tokens_cpu=torch.tensor([K, 0, -1], dtype=torch.int32))
     assert md.state_indices_tensor_d.tolist() == [[3, 4], [6, 7], [9, 10]]
-    assert guard_of(builder).prompt_chunks.rows_repaired == 0
+    assert state_of(builder).prompt_chunks.rows_repaired == 0
 
 
 def test_no_repair_without_speculation_or_on_the_v2_runner(monkeypatch, caplog):
     from vllm.config import VllmConfig
 
     builder, _ = speculating_builder(True)
-    assert guard_of(builder).prompt_chunks is not None
+    assert state_of(builder).prompt_chunks is not None
     monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: True)
     monkeypatch.setattr(prompt_chunks, "_said", set())
     with caplog.at_level("WARNING", logger="gdn_pass"):
         v2, _ = speculating_builder(True)
-    assert guard_of(v2).prompt_chunks is None
+    assert state_of(v2).prompt_chunks is None
     assert "passes BailingLinearAttentionMetadataBuilder no accepted counts" in caplog.text
     monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: 0))
     config = vllm_config(configured=True)
     poisoned_caches(config)
-    assert guard_of(new_linear_builder(config)).prompt_chunks is None
+    assert state_of(new_linear_builder(config)).prompt_chunks is None
 
 
 def test_poison_is_everywhere_else():

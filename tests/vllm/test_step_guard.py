@@ -113,7 +113,7 @@ def caches_of(layers):
 def test_eager_engine_zeroes_at_build_once_per_cache(monkeypatch, guarded, zero_calls):
     builder, layers = engine(monkeypatch, compiled=False)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert metadata_hook.guard_of(builder).owner is Owner.STEP
+    assert metadata_hook.state_of(builder).owner is Owner.STEP
     assert handoff_of(metadata).zeroed_at_build
     assert_only_fresh_slot_zeroed(layers)  # before any layer runs
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers)
@@ -125,7 +125,7 @@ def test_compiled_engine_with_every_layer_behind_a_guarded_op_leaves_it_to_the_o
     builder, layers = engine(monkeypatch, compiled=True)
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert metadata_hook.guard_of(builder).owner is Owner.OP
+    assert metadata_hook.state_of(builder).owner is Owner.OP
     assert not zero_calls, "the step guard acted although the op guard owns the group"
     assert layers[LAYERS[0]].kv_cache[1][FRESH_SLOT].eq(6.0).all()
     forward(monkeypatch, layers, metadata, covered=LAYERS)
@@ -140,7 +140,7 @@ def test_compiled_engine_with_a_layer_no_guarded_op_reaches_is_guarded_at_build(
     builder, layers = engine(monkeypatch, compiled=True)
     warm_up(monkeypatch, layers, covered=LAYERS[:2])
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert metadata_hook.guard_of(builder).owner is Owner.STEP
+    assert metadata_hook.state_of(builder).owner is Owner.STEP
     forward(monkeypatch, layers, metadata, covered=LAYERS[:2])  # the op guards find it done
     assert_only_fresh_slot_zeroed(layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a slot zeroed twice or never"
@@ -177,7 +177,7 @@ def test_a_step_without_new_rows_reads_no_rows_and_a_capture_on_it_still_launche
         for cache in layer.kv_cache:
             cache.fill_(6.0)
     zero_calls.clear()
-    entry = metadata_hook.guard_of(builder).entry
+    entry = metadata_hook.state_of(builder).entry
     monkeypatch.setitem(entry.__dict__, "rows", lambda *a: pytest.fail("rows read on a step without new rows"))
     decodes = dataclasses.replace(common_metadata([9, 1, 30], [1, 1, 1]),
                                   block_table_tensor=torch.tensor([[3], [4], [5]], dtype=torch.int32))
@@ -199,7 +199,7 @@ def test_owner_is_fixed_at_the_first_build(monkeypatch, guarded, zero_calls):
     builder.build(common_prefix_len=0, common_attn_metadata=bug_step())  # no guarded op has run yet
     warm_up(monkeypatch, layers, covered=LAYERS)
     metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
-    assert metadata_hook.guard_of(builder).owner is Owner.STEP
+    assert metadata_hook.state_of(builder).owner is Owner.STEP
     assert handoff_of(metadata).zeroed_at_build
 
 
