@@ -494,11 +494,22 @@ def _harness_zeroing() -> None:
             builder.__dict__["_harness_built_with"] = compat.builder_context(_original, builder, args, kwargs)
 
         builder_class.__init__ = functools.wraps(original_init)(init)
+    _after_every_build(zero_fresh_slots)
+
+
+def _after_every_build(act) -> None:
+    """Wrap ``build`` of every registered builder class that defines one, so that
+    ``act(builder, original_build, args, kwargs, metadata)`` runs after it."""
+    from gdn_pass.vllm import builders
+
+    for _entry, builder_class in builders.installed():
+        if "build" not in vars(builder_class):
+            continue
         original = builder_class.build
 
         def build(builder, *args, _original=original, **kwargs):
             md = _original(builder, *args, **kwargs)
-            zero_fresh_slots(builder, _original, args, kwargs, md)
+            act(builder, _original, args, kwargs, md)
             return md
 
         builder_class.build = functools.wraps(original)(build)
@@ -509,7 +520,7 @@ def _chunk_rows_one_slot() -> None:
     tokens (no draft tokens, ``query_len > 1``) reads and writes its column-0 slot only."""
     import torch
 
-    from gdn_pass.vllm import builders, compat
+    from gdn_pass.vllm import compat
 
     def one_slot(builder, original_build, args, kwargs, md) -> None:
         slots_d = getattr(md, "state_indices_tensor_d", None)
@@ -532,17 +543,7 @@ def _chunk_rows_one_slot() -> None:
         counts = _ACTIVE.setdefault("chunk_rows_one_slot", [])
         counts.append(len(rows))
 
-    for _entry, builder_class in builders.installed():
-        if "build" not in vars(builder_class):
-            continue
-        original = builder_class.build
-
-        def build(builder, *args, _original=original, **kwargs):
-            md = _original(builder, *args, **kwargs)
-            one_slot(builder, _original, args, kwargs, md)
-            return md
-
-        builder_class.build = functools.wraps(original)(build)
+    _after_every_build(one_slot)
 
 
 ZEROED_AT_START = "zeroed_at_start"
