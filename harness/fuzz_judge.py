@@ -109,6 +109,12 @@ def spec_prompt_rows(run: dict) -> dict[str, str]:
     return _per_request(run, "spec_prompt_rows")
 
 
+def counts_supplied_rows(run: dict) -> dict[str, str]:
+    """Requests with a row on the speculative path because gdn-pass passed the builder the V2 runner's
+    accepted counts (``step_trace.counts_supplied_rows``): every speculating request there."""
+    return _per_request(run, "counts_supplied_rows")
+
+
 def full_graph_prefill_rows(run: dict) -> dict[str, str]:
     """Requests of steps whose FULL decode graph replayed on a build with prefills."""
     return _per_request(run, "full_graph_prefill_rows")

@@ -216,7 +216,7 @@ class StepTrace:
 
     def gdn_trace_start(self, detail: bool = False) -> bool:
         """Start recording; ``detail`` also keeps each step's rows by request id."""
-        from gdn_pass.vllm import compat
+        from gdn_pass.vllm import accepted_counts, compat
 
         state = _ACTIVE.setdefault("state", dict(steps=[], dispatch=None, builder=None))
         state["steps"].clear()
@@ -225,6 +225,7 @@ class StepTrace:
         state["fresh_reads"] = {}
         state["fresh_reads_other_builders"] = {}
         state["spec_prompt_rows"] = {}
+        state["counts_supplied_rows"] = {}
         state["full_graph_prefill_rows"] = {}
         state["hook_compared"] = 0
         state["hook_disagreements"] = []
@@ -282,6 +283,11 @@ class StepTrace:
                     state["one_token_paths"][rid] = "prefill" if md.num_prefills > 0 else "decode"
             state["fresh_reads"].update(slot_reading_fresh_rows(ids, computed.tolist(), qlens.tolist(), paths))
             state["spec_prompt_rows"].update(spec_prompt_rows(ids, qlens.tolist(), paths, draft_counts))
+            if accepted_counts.supplies(builder):
+                # the V2 runner's accepted counts, passed by gdn-pass: its speculative path instead
+                # of the prefill path (gdn_pass.vllm.accepted_counts)
+                state["counts_supplied_rows"].update(
+                    {rid: path for rid, q, path in zip(ids, qlens.tolist(), paths) if path == "spec" and q > 0})
             dispatch = state["dispatch"]
             if dispatch is not None and dispatch["mode"] == "FULL" and md.num_prefills > 0:
                 # the runner replays a FULL decode graph on a step its builder split with prefills:
@@ -374,6 +380,8 @@ class StepTrace:
                     fresh_reads_other_builders=dict(state.get("fresh_reads_other_builders", {})),
                     # rows of prompt tokens the builder ran on its speculative path
                     spec_prompt_rows=dict(state.get("spec_prompt_rows", {})),
+                    # rows on the speculative path because gdn-pass passed the V2 runner's counts
+                    counts_supplied_rows=dict(state.get("counts_supplied_rows", {})),
                     # rows of steps whose FULL decode graph replayed on a build with prefills
                     full_graph_prefill_rows=dict(state.get("full_graph_prefill_rows", {})),
                     # the plugin hook's count of rows to zero against this trace's, per step

@@ -40,8 +40,11 @@ reads (``num_accepted = 1``); a step with draft tokens and no prompt row
 costs one host check; a step without draft tokens is changed only where the
 runner can replay the speculative FULL graph on it (every row ``1 + k``
 tokens or padding, FULL graphs captured, the batch within the graphs'
-sizes). vLLM's V2 runner (0.34) passes the Lightning builder no accepted
-counts at all: there nothing here applies (``for_builder``: None, said once).
+sizes). vLLM's V2 runner (0.31-0.34) passes the Lightning builder no accepted
+counts at all: ``accepted_counts`` makes it pass them, and the repair then
+applies as on V1 (the V2 runner passes counts on every speculating step, and
+keeps steps with a prompt chunk off FULL graphs, so ``call_kwargs`` changes
+nothing there).
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ import numpy as np
 import torch
 
 from gdn_pass._logging import logger
-from gdn_pass.vllm import compat
+from gdn_pass.vllm import accepted_counts, compat
 
 __all__ = ["PromptChunks", "for_builder"]
 
@@ -122,18 +125,24 @@ class PromptChunks:
 
 def for_builder(entry, builder, vllm_config) -> PromptChunks | None:
     """The repair for ``builder`` if it is a speculating Lightning builder (its ``entry`` has slot
-    columns) on vLLM's V1 runner; None where none applies."""
+    columns); None where none applies. On the V2 runner the builder first gets the runner's accepted
+    counts (``accepted_counts.supply``); where it cannot, None, said once."""
     from gdn_pass.vllm import support
 
     if not entry.spec_columns or not getattr(builder, "use_spec_decode", False):
         return None
     width = 1 + int(builder.num_spec_tokens)
     if support.runs_v2_model_runner(vllm_config):
-        _say_once("v2", f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner passes "
-                  f"{type(builder).__name__} no accepted counts: its speculative rows and prompt chunks of "
-                  f"up to {width} tokens run on the prefill path (vLLM's own; gdn-pass guards fresh rows "
-                  "only there)")
-        return None
+        why_not = accepted_counts.supply(builder)
+        if why_not is not None:
+            _say_once("v2", f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner passes "
+                      f"{type(builder).__name__} no accepted counts, and gdn-pass cannot pass them: {why_not}. "
+                      f"Its speculating rows run on the prefill path, which keeps rejected drafts in the state "
+                      f"(vLLM's own; gdn-pass guards fresh rows only there)")
+            return None
+        _say_once("v2-supplied", f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner passes "
+                  f"{type(builder).__name__} no accepted counts; gdn-pass passes it the ones the runner "
+                  "passes GDN's builder, so its speculating rows take its speculative path")
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     max_rows = int(builder.decode_cudagraph_max_bs)
     return PromptChunks(width=width, max_graph_rows=max_rows,

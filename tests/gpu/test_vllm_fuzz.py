@@ -146,9 +146,13 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
     judged_alone = acted_on | set(s["stale_in_baseline"])
     drift = set(on["mismatched_preempted_ids"]) if config == "preempt_prefix_hits" else set()
     assert not judged_alone & (set(on["mismatched_ids"]) - drift), on["examples"]
-    if config == "bailing_linear_mtp" and v1_runner():
-        # prompt rows on the speculative path repaired too (gdn_pass.vllm.prompt_chunks)
+    if config == "bailing_linear_mtp":
+        # prompt rows on the speculative path repaired too (gdn_pass.vllm.prompt_chunks), and on the
+        # V2 runner speculating rows given its accepted counts (accepted_counts): every request
+        # equals its run alone without speculation
         assert on["mismatches"] == 0, on["examples"]
+        if not v1_runner():
+            assert set(s["acted_on"]) >= set(on["trace"]["counts_supplied_rows"]) != set(), on["trace"]
     elif config in SPECULATIVE:
         # vLLM's own MTP mismatches are allowed only where the guard did not act and pass off
         # gives the very same output (perturbed_by_pass below)

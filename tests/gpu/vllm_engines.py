@@ -70,7 +70,9 @@ def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, c
                   compile_cache_hit="Directly load" in text,
                   # the plugin's start-up lines (gdn_pass.vllm.metadata_hook)
                   stand_down_logged="standing down" in text,
-                  keeps_decodes_logged="keeps one-token steps on the decode path" in text)
+                  keeps_decodes_logged="keeps one-token steps on the decode path" in text,
+                  # gdn_pass.vllm.accepted_counts: the V2 runner's counts passed to the Lightning builder
+                  counts_supplied_logged="gdn-pass passes it the ones the runner passes" in text)
     return result
 
 

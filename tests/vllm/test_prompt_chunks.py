@@ -15,7 +15,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gdn_pass.vllm import prompt_chunks, support
 from gdn_pass.vllm.metadata_hook import state_of
 from tests.vllm.test_linear_attention_builders import (
     NUM_BLOCKS, SLOPE, D, H, lightning_spec_decode_stand_in, new_linear_builder, poisoned_caches, qkv, step)
@@ -183,17 +182,11 @@ def test_rows_with_drafts_and_one_token_rows_are_never_changed():
     assert state_of(builder).prompt_chunks.rows_repaired == 0
 
 
-def test_no_repair_without_speculation_or_on_the_v2_runner(monkeypatch, caplog):
+def test_no_repair_without_speculation(monkeypatch):
     from vllm.config import VllmConfig
 
     builder, _ = speculating_builder(True)
     assert state_of(builder).prompt_chunks is not None
-    monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: True)
-    monkeypatch.setattr(prompt_chunks, "_said", set())
-    with caplog.at_level("WARNING", logger="gdn_pass"):
-        v2, _ = speculating_builder(True)
-    assert state_of(v2).prompt_chunks is None
-    assert "passes BailingLinearAttentionMetadataBuilder no accepted counts" in caplog.text
     monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: 0))
     config = vllm_config(configured=True)
     poisoned_caches(config)
