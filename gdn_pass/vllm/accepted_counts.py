@@ -17,11 +17,26 @@ one state per token and reads the accepted one (as it does on the V1 runner).
     get_extra_attn_kwargs(builder, n) -> {}      -> {num_accepted_tokens: counts[:n],
                                                      num_decode_draft_tokens_cpu: drafts[:n]}
 
+One row needs more than vLLM's counts: the scheduler pads a new request's one
+token with ``k`` placeholder drafts (``-1``) to keep the step's rows uniform,
+and the V2 runner, which gives the counts only to rows past their prompt, marks
+that row ``-1`` (no drafts). For the Lightning builder such a row is one token
+and ``k`` drafts on its speculative path, as the V1 runner says (a row's drafts
+where it has ``1 + drafts`` tokens): this module passes that count, so that
+``prompt_chunks`` does not take the placeholders for prompt tokens (H200,
+vLLM 0.34: it did, and 8 one-token prompts of 40 went wrong from their second
+token).
+
+    draft_counts[i] = drafts_i    if drafts_i > 0 and tokens_i == 1 + drafts_i   (V1's rule)
+                      runner's    otherwise
+
 Invariants: only builders gdn-pass acts for get counts (marked at engine
-start, ``supply``); every other builder gets what vLLM gives it; where vLLM
-already passes them (checked on the installed class, not by version) nothing
-is wrapped; where the class or its fields are not what this module reads,
-``supply`` says why and nothing is changed. Prompt rows the split then puts
+start, ``supply``); every other builder gets what vLLM gives it, and a marked
+builder every other argument vLLM gives it; where vLLM passes the counts
+itself, the draft counts of padded rows still come from here; where the
+classes or fields are not what this module reads (checked on the installed
+classes at engine start, not by version), ``supply`` says why and nothing
+is changed. Prompt rows the split then puts
 on the speculative path are ``prompt_chunks``' job.
 """
 
@@ -29,13 +44,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 
+import numpy as np
 import torch
 
 __all__ = ["RUNNER_METADATA", "supplies", "supply"]
 
-# Where the V2 runner keeps its per-step speculative metadata (vLLM 0.27-0.34).
+# Where the V2 runner keeps its per-step speculative metadata, and the model state that makes it
+# from the step's input batch (vLLM 0.27-0.34).
 RUNNER_METADATA = ("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridAttnMetadata")
+RUNNER_STATE = ("vllm.v1.worker.gpu.model_states.mamba_hybrid", "MambaHybridModelState")
 _COUNTS = ("num_accepted_tokens", "num_decode_draft_tokens_cpu")
 # The attribute marking a builder gdn-pass passes counts to, and the wrapper it installs.
 _SUPPLIED = "_gdn_pass_accepted_counts"
@@ -45,19 +64,22 @@ _MARK = "_gdn_pass_passes_counts"
 def supply(builder) -> str | None:
     """Make the V2 runner pass ``builder`` the step's accepted and draft counts.
 
-    None when it will (vLLM already did, or the runner's class is now wrapped
-    for it); else why not, for a start-up line: the runner's class is missing,
-    or its fields or method are not the ones read here.
+    None when it will (the runner's classes are wrapped for it); else why not,
+    for a start-up line: a class is missing, or its fields or methods are not
+    the ones read here (then nothing is wrapped).
     """
-    module_name, class_name = RUNNER_METADATA
     try:
-        runner_metadata = getattr(importlib.import_module(module_name), class_name)
+        runner_metadata, runner_state = (getattr(importlib.import_module(module), name)
+                                         for module, name in (RUNNER_METADATA, RUNNER_STATE))
     except (ImportError, AttributeError) as exc:
-        return f"the V2 runner's {class_name} is not in {module_name} ({exc})"
+        return f"the V2 runner's {RUNNER_METADATA[1]} or {RUNNER_STATE[1]} is not where gdn-pass reads it ({exc})"
+    class_name = RUNNER_METADATA[1]
     try:
-        if _passes_counts(runner_metadata, builder):
-            return None  # vLLM passes them itself
-        _wrap(runner_metadata)
+        _passes_counts(runner_metadata, builder)  # its fields and method as read here, or it raises
+        # Wrapped even where vLLM passes counts itself: its draft counts leave padded rows out.
+        if list(inspect.signature(runner_state.prepare_attn).parameters)[:2] != ["self", "input_batch"]:
+            return f"{RUNNER_STATE[1]}.prepare_attn does not take the step's input_batch first"
+        _wrap(runner_metadata, runner_state)
         builder.__dict__[_SUPPLIED] = True
         if _passes_counts(runner_metadata, builder):
             return None
@@ -84,19 +106,58 @@ def _passes_counts(runner_metadata: type, builder) -> bool:
     return all(isinstance(extra.get(name), torch.Tensor) for name in _COUNTS)
 
 
-def _wrap(runner_metadata: type) -> None:
+class _Step:
+    """The step's padded rows, from ``prepare_attn`` (which makes the runner's metadata) to its
+    builds: the engine core prepares one step at a time, in one thread."""
+
+    padded_drafts: np.ndarray | None = None
+
+
+def padded_draft_counts(input_batch) -> np.ndarray | None:
+    """Per row, the drafts of a row of ``1 + drafts`` tokens with drafts (V1's rule), else -1; None
+    where no row of the step has drafts."""
+    drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
+    if drafts is None:
+        return None
+    tokens = np.asarray(input_batch.num_scheduled_tokens)[: len(drafts)]
+    return np.where((drafts > 0) & (tokens == drafts + 1), drafts, -1).astype(np.int32)
+
+
+def _draft_counts(runner_drafts: torch.Tensor | None, num_reqs: int) -> torch.Tensor | None:
+    """The runner's draft counts, with each padded new request's placeholders counted."""
+    padded = _Step.padded_drafts
+    if runner_drafts is None or padded is None:
+        return runner_drafts
+    counts = runner_drafts.clone()
+    n = min(num_reqs, len(padded))
+    counts[:n] = torch.from_numpy(np.maximum(counts[:n].numpy(), padded[:n]))
+    return counts
+
+
+def _wrap(runner_metadata: type, runner_state: type) -> None:
     original = runner_metadata.get_extra_attn_kwargs
     if getattr(original, _MARK, False):
         return
+    original_prepare = runner_state.prepare_attn
 
     @functools.wraps(original)
     def get_extra_attn_kwargs(self, attn_metadata_builder, num_reqs):
         extra = original(self, attn_metadata_builder, num_reqs)
-        if extra or not attn_metadata_builder.__dict__.get(_SUPPLIED, False):
+        if not attn_metadata_builder.__dict__.get(_SUPPLIED, False):
             return extra
         accepted, drafts = self.num_accepted_tokens, self.num_decode_draft_tokens_cpu
-        return {"num_accepted_tokens": None if accepted is None else accepted[:num_reqs],
-                "num_decode_draft_tokens_cpu": None if drafts is None else drafts[:num_reqs]}
+        return {**extra, "num_accepted_tokens": None if accepted is None else accepted[:num_reqs],
+                "num_decode_draft_tokens_cpu": _draft_counts(None if drafts is None else drafts[:num_reqs],
+                                                             num_reqs)}
+
+    @functools.wraps(original_prepare)
+    def prepare_attn(self, input_batch, *args, **kwargs):
+        _Step.padded_drafts = padded_draft_counts(input_batch)
+        try:
+            return original_prepare(self, input_batch, *args, **kwargs)
+        finally:
+            _Step.padded_drafts = None
 
     setattr(get_extra_attn_kwargs, _MARK, True)
     runner_metadata.get_extra_attn_kwargs = get_extra_attn_kwargs
+    runner_state.prepare_attn = prepare_attn

@@ -60,6 +60,13 @@ SPECULATIVE = {"mtp", "mtp_2_tokens"}
 SELECTED_MODES = [m for m in os.environ.get("GDN_PASS_GPU_BAILING_MODES", ",".join(MODES)).split(",") if m]
 
 
+def without_speculation(extra: list[str]) -> list[str]:
+    if extra[:len(_MTP)] == list(_MTP):
+        return extra[len(_MTP):]
+    assert "speculative_config" not in " ".join(extra), extra
+    return extra
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     workdir = tmp_path_factory.mktemp("gpu_bailing")
@@ -71,8 +78,9 @@ def runs(tmp_path_factory) -> dict:
         # Every engine starts from zeroed caches: what vLLM's start-up (warm-up, capture) leaves in
         # the slots differs with the pass on (it zeroes fresh warm-up rows) and off, and reaches
         # a first request's speculative columns; with one start state, off and on compare bitwise.
+        # the same engine without speculation (MTP's pair of arguments taken out)
+        plain = [*FAMILY_ENGINE_ARGS[kind], *without_speculation(extra), "--zero-state-at-start"]
         extra = [*FAMILY_ENGINE_ARGS[kind], *extra, "--zero-state-at-start"]
-        plain = [a for a in extra if a not in _MTP]  # the same engine without speculation
         cases[f"{mode}_isolated"] = ("isolated", "off", kind, compilation, plain)
         for guard in ("off", "on"):
             cases[f"{mode}_{guard}"] = ("poisoned", guard, kind, compilation, extra)

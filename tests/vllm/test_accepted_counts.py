@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -32,9 +33,13 @@ def _v2_runner_with_one_speculative_token(monkeypatch):
     monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: K))
     monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: True)
     monkeypatch.setattr(prompt_chunks, "_said", set())
-    # vLLM's class as installed: a test's wrapper must not outlive it
+    # vLLM's classes as installed: a test's wrappers must not outlive it. The model state's
+    # prepare_attn (which needs a whole input batch) runs the builds a test hands it.
     cls = runner_metadata_class()
     monkeypatch.setattr(cls, "get_extra_attn_kwargs", cls.get_extra_attn_kwargs)
+    module, name = accepted_counts.RUNNER_STATE
+    monkeypatch.setattr(getattr(importlib.import_module(module), name), "prepare_attn",
+                        lambda self, input_batch, builds: builds())
 
 
 def runner_metadata_class():
@@ -112,6 +117,37 @@ def test_prompt_chunk_on_the_v2_runner_is_repaired_as_on_v1():
     assert state_of(builder).prompt_chunks.rows_repaired == 1
 
 
+def prepared(batch, builds):
+    """``builds()`` inside the runner's ``prepare_attn`` of a step with ``batch``'s rows."""
+    module, name = accepted_counts.RUNNER_STATE
+    return getattr(importlib.import_module(module), name).prepare_attn(object(), batch, builds)
+
+
+def test_a_padded_new_request_keeps_its_placeholder_draft_out_of_the_state():
+    """The scheduler pads a new one-token request with k placeholder drafts (1 + k tokens) beside
+    a speculating row, and the V2 runner counts it -1 (it is still prefilling). It is one prompt
+    token and k drafts, not a prompt of 1 + k tokens: the state after its one token is what the
+    next step reads (the placeholder is rejected: accepted 1)."""
+    from types import SimpleNamespace
+
+    builder, caches = speculating_builder(configured=True)
+    batch = SimpleNamespace(num_draft_tokens_per_req=np.array([K, K], dtype=np.int32),
+                            num_scheduled_tokens=np.array([K_TOKENS, K_TOKENS], dtype=np.int32))
+    md = prepared(batch, lambda: builder.build(0, step([20, 0], [K_TOKENS, K_TOKENS], [[3, 4], [6, 7]]),
+                                               **runner_kwargs(builder, accepted=[1, 1], drafts=[K, -1])))
+    assert md.state_indices_tensor_d.tolist() == [[3, 4], [6, 7]]  # not a prompt chunk: as vLLM made it
+    assert torch.count_nonzero(caches[0][6]) == 0  # fresh: zeroed by the guard
+    q, k, v = qkv(2 * K_TOKENS, seed=6)
+    decode(md, caches, q, k, v)
+    second = builder.build(0, step([1], [K_TOKENS], [[6, 7]]), **runner_kwargs(builder, accepted=[1], drafts=[K]))
+    q2, k2, v2 = qkv(K_TOKENS, seed=7)
+    token = K_TOKENS  # the new request's one token
+    after_token = recurrence(torch.zeros_like(caches[0][6]), k[token:token + 1], v[token:token + 1],
+                             q[token:token + 1])[1]
+    assert torch.equal(decode(second, caches, q2, k2, v2), recurrence(after_token, k2, v2, q2)[0])
+    assert state_of(builder).prompt_chunks.rows_repaired == 0
+
+
 def test_only_the_builders_gdn_pass_acts_for_get_counts():
     ours, _ = speculating_builder(configured=True)
     theirs = new_linear_builder(vllm_config(configured=False), spec_tokens=K)
@@ -126,14 +162,21 @@ def test_only_the_builders_gdn_pass_acts_for_get_counts():
 
 
 class _PassesCounts:
-    """A next release whose runner passes every builder its counts (upstream fixed)."""
+    """A next release whose runner passes every builder its counts, and its V2 draft counts."""
 
     def __init__(self, is_prefilling, num_accepted_tokens, num_decode_draft_tokens_cpu):
-        self.counts = {"num_accepted_tokens": num_accepted_tokens,
-                       "num_decode_draft_tokens_cpu": num_decode_draft_tokens_cpu}
+        self.num_accepted_tokens = num_accepted_tokens
+        self.num_decode_draft_tokens_cpu = num_decode_draft_tokens_cpu
 
     def get_extra_attn_kwargs(self, attn_metadata_builder, num_reqs):
-        return {name: t[:num_reqs] for name, t in self.counts.items()}
+        return {"num_accepted_tokens": self.num_accepted_tokens[:num_reqs],
+                "num_decode_draft_tokens_cpu": self.num_decode_draft_tokens_cpu[:num_reqs],
+                "next_release_field": True}
+
+
+class _ModelState:
+    def prepare_attn(self, input_batch, cudagraph_mode, build):
+        return build()
 
 
 class _RenamedField:
@@ -143,34 +186,56 @@ class _RenamedField:
         pass
 
 
-def _next_release(monkeypatch, cls):
+class _PrepareWithoutBatch:
+    def prepare_attn(self, cudagraph_mode, input_batch):
+        pass
+
+
+def _next_release(monkeypatch, metadata, state=_ModelState):
+    import sys
     import types
 
     module = types.ModuleType("next_release_runner")
-    module.MambaHybridAttnMetadata = cls
+    if metadata is not None:
+        module.MambaHybridAttnMetadata = metadata
+    module.MambaHybridModelState = state
     monkeypatch.setattr(accepted_counts, "RUNNER_METADATA", (module.__name__, "MambaHybridAttnMetadata"))
-    monkeypatch.setitem(__import__("sys").modules, module.__name__, module)
+    monkeypatch.setattr(accepted_counts, "RUNNER_STATE", (module.__name__, "MambaHybridModelState"))
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    for cls in (metadata, state):  # a test's wrappers must not outlive it
+        for name in ("get_extra_attn_kwargs", "prepare_attn"):
+            if cls is not None and name in cls.__dict__:
+                monkeypatch.setattr(cls, name, cls.__dict__[name])
 
 
-def test_a_runner_that_passes_counts_is_left_as_it_is(monkeypatch):
+def test_a_runner_that_passes_counts_still_gets_padded_rows_counted(monkeypatch):
+    """Where vLLM passes the counts itself, its V2 draft counts still call a padded new request -1."""
+    from types import SimpleNamespace
+
     _next_release(monkeypatch, _PassesCounts)
     builder, _ = speculating_builder(configured=True)
-    assert state_of(builder).prompt_chunks is not None
-    assert not hasattr(_PassesCounts.get_extra_attn_kwargs, accepted_counts._MARK)
-    assert accepted_counts._SUPPLIED not in builder.__dict__
+    assert state_of(builder).prompt_chunks is not None and accepted_counts.supplies(builder)
+    theirs = new_linear_builder(vllm_config(configured=False), spec_tokens=K)
+    metadata = _PassesCounts(None, torch.tensor([1, 1], dtype=torch.int32), torch.tensor([-1, -1], dtype=torch.int32))
+    batch = SimpleNamespace(num_draft_tokens_per_req=np.array([K, 0], dtype=np.int32),
+                            num_scheduled_tokens=np.array([1 + K, 2], dtype=np.int32))
+    ours = _ModelState().prepare_attn(batch, None, lambda: metadata.get_extra_attn_kwargs(builder, 2))
+    assert ours["num_decode_draft_tokens_cpu"].tolist() == [K, -1] and ours["next_release_field"]
+    plain = _ModelState().prepare_attn(batch, None, lambda: metadata.get_extra_attn_kwargs(theirs, 2))
+    assert plain["num_decode_draft_tokens_cpu"].tolist() == [-1, -1]
 
 
-@pytest.mark.parametrize("runner, why", [
-    (_RenamedField, "is not the one gdn-pass reads (TypeError"),
-    (None, "is not in next_release_runner"),
+@pytest.mark.parametrize("metadata, state, why", [
+    (_RenamedField, _ModelState, "is not the one gdn-pass reads (TypeError"),
+    (None, _ModelState, "is not where gdn-pass reads it"),
+    (_PassesCounts, _PrepareWithoutBatch, "does not take the step's input_batch first"),
 ])
-def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, caplog, runner, why):
-    _next_release(monkeypatch, runner)
-    if runner is None:
-        monkeypatch.delattr(__import__("sys").modules["next_release_runner"], "MambaHybridAttnMetadata")
+def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, caplog, metadata, state, why):
+    _next_release(monkeypatch, metadata, state)
     with caplog.at_level("WARNING", logger="gdn_pass"):
         builder, _ = speculating_builder(configured=True)
     assert state_of(builder).prompt_chunks is None  # no repair: the builder keeps vLLM's split
     assert state_of(builder) is not None  # fresh rows still guarded
     assert "gdn-pass cannot pass them" in caplog.text and why in caplog.text
-    assert accepted_counts._SUPPLIED not in builder.__dict__
+    assert not accepted_counts.supplies(builder)
+    assert not hasattr(state.prepare_attn, "__wrapped__")
