@@ -129,11 +129,19 @@ def test_reference_started_from_zeroed_state(runs, mode):
     assert _ok(runs, reference(mode))["zeroed_at_start"] > 0, "the reference engine zeroed no cache"
 
 
+def v2_runner(result: dict) -> bool:
+    return ".gpu.model_runner" in (result["model_runner"] or "")
+
+
 @pytest.mark.parametrize("mode", list(MODES))
 def test_pass_off_reproduces_the_bug(runs, mode):
     off = _ok(runs, f"{mode}_off")
     assert off["plugin_hook_installed"], "the gdn_pass entry point did not load in the engine"
-    assert off["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
+    if not (mode in SPECULATIVE and v2_runner(off)):
+        # (on the V2 runner with MTP the builder gets no accepted counts: R3's one token, padded
+        # with a placeholder draft, runs on the prefill path, and R3 goes wrong by the drafts
+        # that path keeps, gdn_pass/vllm/accepted_counts.py)
+        assert off["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
     assert not compare(r3(runs, reference(mode)), r3(runs, f"{mode}_off"))["same_tokens"], (
         f"{mode}: R3 on a recycled slot matched the isolated run without the pass")
 
@@ -163,7 +171,7 @@ def test_speculation_is_lossless_with_the_pass(runs, mode):
     """With MTP and the pass, R1 and R2 give the tokens of the same scenario without speculation."""
     on, plain = _ok(runs, f"{mode}_on"), _ok(runs, f"{mode}_plain")
     assert on["model_runner"] == plain["model_runner"]
-    if ".gpu.model_runner" in (on["model_runner"] or ""):  # the V2 runner
+    if v2_runner(on):
         assert on["counts_supplied_logged"], "the V2 runner's counts were not passed to the Lightning builder"
     for rid in ("R1", "R2"):
         diff = compare(plain["requests"][rid], on["requests"][rid])

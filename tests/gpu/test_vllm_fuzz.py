@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import warnings
@@ -137,6 +138,13 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         assert not s["acted_on"] and on["trace"]["plugin"]["steps_zeroed"] == 0, on["trace"]["plugin"]
         assert on["trace"]["fresh_reads"] == {} and off["trace"]["fresh_reads"] == {}
         assert set(on["mismatched_ids"]) == set(off["mismatched_ids"]), on["examples"]
+    elif config == "bailing_linear_mtp" and not v1_runner():
+        # vLLM's V2 runner gives the Lightning builder no accepted counts: every speculating row
+        # runs on the prefill path (no row on the speculative path) and requests go wrong by the
+        # drafts it keeps, from their second token (a new one-token request padded with a
+        # placeholder draft runs there too, so no fresh row reads its slot at the first token)
+        assert off["trace"]["rows"].get("spec", 0) == 0 and on["trace"]["rows"]["spec"] > 0, off["trace"]
+        assert off["mismatches"] > 0, off["examples"]
     else:
         assert off["fresh_decode_steps"] > 0 and off["first_token_mismatches"] > 0, off["examples"]
     acted_on = set(s["acted_on"])
@@ -152,7 +160,9 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         # equals its run alone without speculation
         assert on["mismatches"] == 0, on["examples"]
         if not v1_runner():
-            assert set(s["acted_on"]) >= set(on["trace"]["counts_supplied_rows"]) != set(), on["trace"]
+            # every speculating request was given the runner's counts (judged by its run alone above)
+            given = {re.sub(r"-[0-9a-f]{8}$", "", rid) for rid in on["trace"]["counts_supplied_rows"]}
+            assert given and set(s["acted_on"]) >= given, on["trace"]
     elif config in SPECULATIVE:
         # vLLM's own MTP mismatches are allowed only where the guard did not act and pass off
         # gives the very same output (perturbed_by_pass below)
