@@ -114,19 +114,30 @@ class _Step:
 
 
 def padded_draft_counts(input_batch) -> np.ndarray | None:
-    """Per row, the drafts of a row of ``1 + drafts`` tokens with drafts (V1's rule), else -1; None
-    where no row of the step has drafts."""
+    """Per row, the drafts of a prompt row of ``1 + drafts`` tokens with drafts (a new request the
+    scheduler padded; V1's rule), else -1; None where the step has none (the common step: no row
+    is still prefilling, and the runner counts every other row's drafts itself)."""
     drafts = getattr(input_batch, "num_draft_tokens_per_req", None)
     if drafts is None:
         return None
-    tokens = np.asarray(input_batch.num_scheduled_tokens)[: len(drafts)]
-    return np.where((drafts > 0) & (tokens == drafts + 1), drafts, -1).astype(np.int32)
+    n = len(drafts)
+    prefilling = getattr(input_batch, "is_prefilling_np", None)
+    if prefilling is not None:
+        prefilling = prefilling[:n]
+        if not prefilling.any():
+            return None
+    padded = (drafts > 0) & (np.asarray(input_batch.num_scheduled_tokens)[:n] == drafts + 1)
+    if prefilling is not None:
+        padded &= prefilling
+    if not padded.any():
+        return None
+    return np.where(padded, drafts, -1).astype(np.int32)
 
 
 def _draft_counts(runner_drafts: torch.Tensor | None, num_reqs: int) -> torch.Tensor | None:
     """The runner's draft counts, with each padded new request's placeholders counted."""
     padded = _Step.padded_drafts
-    if runner_drafts is None or padded is None:
+    if padded is None or runner_drafts is None:  # most steps
         return runner_drafts
     counts = runner_drafts.clone()
     n = min(num_reqs, len(padded))
