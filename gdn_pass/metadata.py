@@ -64,7 +64,7 @@ class StagedRowMetadata:
             the row's slot must read as zero and its kernels would read it.
         state_slot: int64, the state slot the row reads and writes (for a
             restored speculative row, its first column, as the vLLM
-            adapter's ``rows.gdn_rows`` orders them), or the first padding
+            adapter's ``builders.gdn.gdn_rows`` orders them), or the first padding
             sentinel for padding rows.
     """
 

@@ -5,7 +5,7 @@ Kimi-K3 KDA, Bailing and MiniMax linear attention). The builder's own
 decode/prefill split is exactly what is wrong (a fresh one-token row counts
 as a decode and gets ``has_initial_state=None``), so the rows are derived
 from the scheduler's ``CommonAttentionMetadata`` instead (the entry's
-``rows``, ``gdn_pass.vllm.rows``); for GDN:
+``rows``, made in the builder's file in ``gdn_pass.vllm.builders``); for GDN:
 
     has_initial_state[i] = num_computed_tokens[i] > 0
     valid[i]             = query_len[i] > 0 and state_slot[i] not a sentinel

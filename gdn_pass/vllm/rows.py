@@ -1,16 +1,14 @@
-"""One step's rows to zero, as the host knows them, for each kind of state builder.
+"""One step's rows to zero, as the host knows them: what every state builder's rows are made of.
 
-Each function reads one builder's metadata and the scheduler's
-``CommonAttentionMetadata`` (never a device value) and returns ``HostRows``:
-the slots the builder's decode kernels read, and which of them belong to a
-brand-new row (no token computed before this step) that those kernels would
-read as if it had history::
+Each builder's file (``gdn_pass.vllm.builders``) reads its metadata and the
+scheduler's ``CommonAttentionMetadata`` (never a device value) into
+``HostRows``: the slots the builder's decode kernels read, and which of them
+belong to a brand-new row (no token computed before this step) that those
+kernels would read as if it had history::
 
     fresh[i] = num_computed_tokens[i] == 0 and query_len[i] > 0 and row i runs a decode path
 
-``gdn_rows`` reads ``GDNAttentionMetadata`` (0.26-0.33), ``linear_rows``
-``LinearAttentionMetadata`` / ``BailingLinearAttentionMetadata`` (0.26-0.33).
-The registry (``builders``) says which builder uses which.
+and, on CUDA, its decode rows in vLLM's own device tensors (``DecodeRows``).
 
 Invariant (the metadata hook's idle steps rely on it): a builder's rows to
 zero are always among the step's new rows (``SchedulerRows.new``), so a step
@@ -27,7 +25,6 @@ is decided first, on most steps from one reduction over the host lengths.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import numpy as np
 import torch
@@ -35,8 +32,8 @@ import torch
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat
 
-__all__ = ["DecodeRows", "HostRows", "SchedulerRows", "decode_rows", "gdn_rows", "has_new_rows", "linear_decode_rows",
-           "linear_rows", "num_computed_tokens", "scheduler_rows"]
+__all__ = ["DecodeRows", "HostRows", "SchedulerRows", "fitting_decode_rows", "has_new_rows", "num_computed_tokens",
+           "scheduler_rows", "slot_count_error"]
 
 # --- a step's lengths on the host, and its decode rows in vLLM's device tensors ---------------
 
@@ -133,50 +130,8 @@ class DecodeRows:
     num_rows: int
 
 
-@functools.cache
-def _decode_fields_exist() -> bool:
-    """Do this release's metadata classes have every field ``decode_rows`` reads? (Asked once.)"""
-    from vllm.v1.attention import backend
-    from vllm.v1.attention.backends import gdn_attn
-
-    needed = {"non_spec_state_indices_tensor", "non_spec_query_start_loc", "spec_sequence_masks", "num_decodes"}
-    return (needed <= compat.fields_of(gdn_attn.GDNAttentionMetadata)
-            and "seq_lens" in compat.fields_of(backend.CommonAttentionMetadata))
-
-
-def decode_rows(common, metadata) -> DecodeRows | None:
-    """GDN: the step's ``DecodeRows``, or None where they cannot say which rows are new.
-
-    ``slots`` is ``non_spec_state_indices_tensor``, ``query_start_loc`` its
-    ``non_spec_query_start_loc``. None on steps with speculative rows (their
-    fresh rows need the host's view, ``rows.gdn_rows``), on releases without
-    these fields, and on a step whose tensors are shorter than its decode
-    rows: the caller then stages the rows itself. Runs at every build, so it
-    checks only what can change from step to step (a few attribute reads, ~1 us).
-    """
-    if metadata.spec_sequence_masks is not None or not _decode_fields_exist():
-        return None
-    return _fitting(metadata.non_spec_state_indices_tensor, metadata.non_spec_query_start_loc,
-                    getattr(common, "seq_lens", None), metadata.num_decodes)
-
-
-def linear_decode_rows(common, metadata) -> DecodeRows | None:
-    """Lightning linear attention: the step's ``DecodeRows``, or None where they cannot say.
-
-    ``slots``: ``state_indices_tensor_d`` (Bailing: ``[rows, 1 + k]`` with
-    speculative decoding, else ``[rows]``), or ``state_indices_tensor``
-    (``LinearAttentionMetadata``); ``query_start_loc`` / ``seq_lens``: the
-    metadata's own, the scheduler's. The builder puts its decodes first, so a
-    fresh decode row is one of the first ``num_decodes`` whose tokens are all
-    new, speculative rows included (a fresh prompt of ``1 + k`` tokens).
-    """
-    slots = getattr(metadata, "state_indices_tensor_d", None)
-    if slots is None:
-        slots = metadata.state_indices_tensor
-    return _fitting(slots, metadata.query_start_loc, metadata.seq_lens, metadata.num_decodes)
-
-
-def _fitting(slots, starts, seq_lens, num_rows) -> DecodeRows | None:
+def fitting_decode_rows(slots, starts, seq_lens, num_rows) -> DecodeRows | None:
+    """``DecodeRows`` of these tensors, or None where one is missing or shorter than the decode rows."""
     if slots is None or starts is None or seq_lens is None:
         return None
     num_rows = int(num_rows)
@@ -372,90 +327,7 @@ def scheduler_rows(common) -> SchedulerRows:
     return rows
 
 
-def gdn_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
-    """GDN: the non-speculative rows in the order of ``non_spec_state_indices_tensor``
-    (the builder's decodes first, then its prefills), then the speculative rows
-    with column 0 of ``spec_state_indices_tensor`` (a request's first step has
-    one accepted token). Only decodes and speculative rows can be fresh: the
-    prefill kernels start a row without initial state from zero themselves."""
-    num_reqs = common.num_reqs
-    step = scheduler_rows(common)
-    query_lens, computed = step.query_lens, step.computed
-    non_spec_slots = metadata.non_spec_state_indices_tensor
-    num_decodes = int(metadata.num_decodes)
-    if metadata.spec_sequence_masks is None and non_spec_slots is not None:
-        # Most steps: one part, the builder's decodes (the only rows to zero) first.
-        if num_reqs != non_spec_slots.shape[0]:
-            raise _slot_count_error("GDN", non_spec_slots.numel(), query_lens.size)
-        decodes = min(num_decodes, num_reqs)
-        return HostRows(query_lens, computed, [non_spec_slots], (decodes, num_reqs), step.new,
-                        step.new_among_first(decodes))
-    spec_slots = getattr(metadata, "spec_state_indices_tensor", None)
-    if metadata.spec_sequence_masks is None:
-        parts = [(query_lens, computed, non_spec_slots)]
-    else:
-        if draft_counts is not None:
-            spec = draft_counts[:num_reqs].cpu().numpy() >= 0
-        else:  # a device-to-host copy; vLLM 0.26-0.33 always pass the host counts
-            spec = metadata.spec_sequence_masks[:num_reqs].cpu().numpy()
-        parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
-                 (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
-    lens, done, slots = [], [], []
-    for part_lens, part_done, part_slots in parts:
-        if part_slots is None:
-            if np.count_nonzero(part_lens > 0):
-                raise MetadataError(
-                    f"GDN metadata has no state slots for {part_lens.size} scheduler rows "
-                    f"(vLLM {compat.vllm_version()}); this builder layout is not supported by gdn-pass")
-            continue
-        if part_lens.size != part_slots.numel():
-            raise _slot_count_error("GDN", part_slots.numel(), part_lens.size)
-        lens.append(part_lens)
-        done.append(part_done)
-        slots.append(part_slots)
-    if not slots:
-        empty = np.zeros(0, dtype=np.int64)
-        return HostRows(empty, empty, [], (0, 0), np.zeros(0, dtype=np.bool_), 0)
-    non_spec_rows = lens[0].size if non_spec_slots is not None else 0
-    prefills = (min(num_decodes, non_spec_rows), non_spec_rows)
-    query_lens = lens[0] if len(lens) == 1 else np.concatenate(lens)
-    computed = done[0] if len(done) == 1 else np.concatenate(done)
-    return HostRows.counted(query_lens, computed, slots, prefills, (computed == 0) & (query_lens > 0))
-
-
-def linear_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
-    """Lightning linear attention: the builder's decodes, the first ``num_decodes`` rows.
-
-    Their kernels read the slot unconditionally: ``linear_decode_forward_triton``
-    reads ``state_indices_tensor_d[i]`` (or ``state_indices_tensor[i]``), and
-    with speculative decoding ``bailing_linear_attention_decode_spec`` reads
-    column ``num_accepted_tokens[i] - 1`` of the row of ``state_indices_tensor_d``
-    (``[rows, 1 + k]``) and writes the others. vLLM's own clearing
-    (``clear_linear_attention_cache_for_new_sequences``) covers prefill rows
-    only. So a fresh decode row has every slot of its row staged: all of them
-    are its own blocks, and the kernels overwrite the ones they do not read.
-    Rows appear once per column (``[rows * (1 + k)]``), in row order.
-    """
-    step = scheduler_rows(common)
-    query_lens, computed = step.query_lens, step.computed
-    decodes = min(int(metadata.num_decodes), query_lens.size)
-    to_zero = step.new[:decodes]
-    slots = getattr(metadata, "state_indices_tensor_d", None)
-    if slots is None:  # LinearAttentionMetadata: one slot per row, decodes first
-        slots = metadata.state_indices_tensor
-    if slots.shape[0] < decodes:
-        raise _slot_count_error("linear-attention", slots.shape[0], decodes)
-    slots = slots[:decodes]
-    fresh = step.new_among_first(decodes)
-    if slots.dim() == 2:
-        width = slots.shape[1]
-        to_zero = np.repeat(to_zero, width)
-        query_lens, computed = np.repeat(query_lens[:decodes], width), np.repeat(computed[:decodes], width)
-        return HostRows(query_lens, computed, [slots.reshape(-1)], (0, 0), to_zero, fresh * width)
-    return HostRows(query_lens[:decodes], computed[:decodes], [slots], (0, 0), to_zero, fresh)
-
-
-def _slot_count_error(kind: str, slots: int, rows: int) -> MetadataError:
+def slot_count_error(kind: str, slots: int, rows: int) -> MetadataError:
     return MetadataError(
         f"{kind} metadata has {slots} state slots for {rows} scheduler rows "
         f"(vLLM {compat.vllm_version()}); this builder layout is not supported by gdn-pass")

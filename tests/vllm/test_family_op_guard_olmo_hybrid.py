@@ -20,7 +20,7 @@ builder classified as decodes, reading and writing their state slots.
 The step is the bug's trigger: every row has one token, one of them a brand
 new request on a recycled, poisoned slot, plus a padding row. The rows are
 staged from vLLM's CommonAttentionMetadata by the metadata hook's own
-rows (``gdn_pass.vllm.rows.gdn_rows``), every buffer. Checks: the record shows the fresh slot zero and every other
+rows (``gdn_pass.vllm.builders.gdn.gdn_rows``), every buffer. Checks: the record shows the fresh slot zero and every other
 slot bit-identical; the op's output equals a reference run on clean state
 (fresh row from zero, decode row from its history); without the guard the
 same op reads the poison, so the test can fail.
@@ -40,7 +40,7 @@ from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
 from gdn_pass.vllm import GDNStatePass, compat
 from gdn_pass.vllm.guarded_ops import guarded_overload
 from gdn_pass.vllm.handoff import StepHandoff, attach, handoff_of
-from gdn_pass.vllm.rows import gdn_rows
+from gdn_pass.vllm.builders.gdn import gdn_rows
 from vllm.forward_context import get_forward_context, override_forward_context
 from vllm.model_executor.layers.mamba.mamba_utils import (
     MambaStateDtypeCalculator,

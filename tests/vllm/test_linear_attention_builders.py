@@ -24,7 +24,7 @@ Every case runs twice: here, where the step guard zeroes on the host's view of
 the rows (CPU), and again on the CUDA path (``tests/vllm/cuda_zeroing.py``):
 the zeroing launch finds the fresh rows itself in the built metadata's
 ``query_start_loc`` / ``seq_lens`` and zeroes every slot column
-(``rows.linear_decode_rows``), run in Triton's interpreter on the CPU caches.
+(``builders.linear_attention.linear_decode_rows``), run in Triton's interpreter on the CPU caches.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import torch
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import builders, compat, metadata_hook
 from gdn_pass.vllm import rows as vllm_rows
-from gdn_pass.vllm.rows import gdn_rows
+from gdn_pass.vllm.builders.gdn import gdn_rows
 from vllm.v1.attention.backend import CommonAttentionMetadata
 
 

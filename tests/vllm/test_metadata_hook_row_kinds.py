@@ -61,7 +61,7 @@ import torch
 
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import compat, op_guard, step_guard
-from gdn_pass.vllm import rows as vllm_rows
+from gdn_pass.vllm.builders import gdn
 from gdn_pass.vllm.handoff import handoff_of
 from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder, stage_all
 
@@ -369,7 +369,7 @@ def check_step(reqs, cache_mode, metadata, rows, full, caches):
     assert zeroed_slots(caches) == [fresh] * len(caches)
     # On CUDA steps without speculative rows the zeroing launch finds the rows in
     # vLLM's own tensors instead (rows.DecodeRows): they name the same slots.
-    decode = vllm_rows.decode_rows(metadata.test_common, metadata)
+    decode = gdn.decode_rows(metadata.test_common, metadata)
     if any(r.drafts >= 0 for r in reqs):
         assert decode is None
     else:
