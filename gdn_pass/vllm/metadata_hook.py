@@ -284,7 +284,6 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         _info_once(f"untested:{entry.key}", f"{untested}; {entry.class_name} {decision.action}: "
                    f"{decision.checked()}")
     if decision.action == support.STANDS_DOWN:
-        step_guard.note_stand_down(entry.key)
         _info_once(f"stand-down:{entry.key}",
                    f"gdn-pass: {decision.why}; standing down for {entry.class_name} ({entry.models}): "
                    "no per-step work")

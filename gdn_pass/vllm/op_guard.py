@@ -30,7 +30,8 @@ import torch
 from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 from gdn_pass.vllm.handoff import handoff_of
 from gdn_pass.vllm.rows import DecodeRows
-from gdn_pass.vllm.step_guard import note_guarded_layer, stood_down
+from gdn_pass.vllm.step_guard import note_guarded_layer
+from gdn_pass.vllm.support import stood_down
 
 __all__ = ["GuardError", "zero_fresh_state"]
 

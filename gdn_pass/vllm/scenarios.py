@@ -369,7 +369,7 @@ def main() -> None:
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
         result = run(args.scenario, llm, recorder, r3_prompt)
     cache_config = llm.llm_engine.vllm_config.cache_config
-    from gdn_pass.vllm import metadata_hook, step_guard
+    from gdn_pass.vllm import metadata_hook, step_guard, support
 
     result.update(
         plugin_hook_installed=metadata_hook.is_installed(),
@@ -377,7 +377,7 @@ def main() -> None:
         # process: meaningful with the engine core in process, the default)
         step_guard=step_guard.activity(),
         # registry entries that stood down in this engine (vLLM fixed their builder)
-        stood_down=sorted(step_guard.stood_down()),
+        stood_down=sorted(support.stood_down()),
         model_runner=model_runner_of(llm),
         zeroed_at_start=zeroed_at_start,
         mamba_cache_mode=cache_config.mamba_cache_mode,

@@ -55,13 +55,10 @@ import torch
 from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 from gdn_pass.vllm.handoff import StepHandoff
 
-__all__ = ["Owner", "activity", "decide_owner", "guarded_layers", "note_guarded_layer", "note_stand_down",
-           "stood_down", "zero_group"]
+__all__ = ["Owner", "activity", "decide_owner", "guarded_layers", "note_guarded_layer", "zero_group"]
 
 # Layers whose guarded op has run in this process (the op guard notes them).
 _GUARDED_LAYERS: set[str] = set()
-# Registry entries (``builders``) that stood down in this process: vLLM fixed their builder.
-_STOOD_DOWN: set[str] = set()
 # What the step guard did in this process, for reports and tests: the owner
 # decided per group (keyed by the group's first layer), builds that zeroed
 # something, and launches (CUDA) or per-cache zeroings (CPU) they made.
@@ -78,15 +75,6 @@ class Owner(enum.Enum):
 def note_guarded_layer(layer_name: str) -> None:
     """Record that the guarded op of ``layer_name`` runs in this process."""
     _GUARDED_LAYERS.add(layer_name)
-
-
-def note_stand_down(entry_key: str) -> None:
-    """Record that the registry entry ``entry_key`` stands down in this process (no rows staged)."""
-    _STOOD_DOWN.add(entry_key)
-
-
-def stood_down() -> frozenset[str]:
-    return frozenset(_STOOD_DOWN)
 
 
 def guarded_layers() -> frozenset[str]:

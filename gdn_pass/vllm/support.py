@@ -45,7 +45,7 @@ from gdn_pass.vllm import builders, compat
 from gdn_pass.vllm.split_probe import ProbeError, SplitFindings, as_inference_tensors, probe_split
 
 __all__ = ["ACTS", "Check", "Decision", "REFUSES", "STANDS_DOWN", "decide", "decide_for_class", "is_probing",
-           "reroute_holds"]
+           "reroute_holds", "stood_down"]
 
 ACTS, STANDS_DOWN, REFUSES = "acts", "stands down", "refuses"
 
@@ -232,15 +232,25 @@ def runs_v2_model_runner(vllm_config) -> bool:
 # --- decisions made in this process ----------------------------------------------------------
 
 _DECISIONS: dict[str, Decision] = {}
+# Registry entries that stood down in this process: vLLM fixed their builder. Kept once made, for
+# the op guard (a guarded op without a hand-off is then the original op, not an error).
+_STOOD_DOWN: set[str] = set()
 
 
 def record(decision: Decision) -> None:
     """Keep the engine's decision for its entry (the pass asks it at compile time)."""
     _DECISIONS[decision.entry.key] = decision
+    if decision.action == STANDS_DOWN:
+        _STOOD_DOWN.add(decision.entry.key)
 
 
 def recorded(key: str) -> Decision | None:
     return _DECISIONS.get(key)
+
+
+def stood_down() -> frozenset[str]:
+    """The entries that stood down in this process."""
+    return frozenset(_STOOD_DOWN)
 
 
 def stand_down_reason(entry: builders.StateBuilder, vllm_config) -> str | None:

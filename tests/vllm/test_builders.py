@@ -81,7 +81,7 @@ def test_where_vllm_fixed_the_builder_the_entry_stands_down_with_one_line_and_no
     assert handoff_of(metadata) is None
     assert metadata.num_prefills == 1  # vLLM's own reroute: its prefill starts the row from zero
     assert zeroed(caches) == [[]] * 4
-    assert "gdn" in step_guard.stood_down()
+    assert "gdn" in support.stood_down()
 
 
 @pytest.mark.skipif(not REROUTES, reason="vLLM reroutes fresh GDN rows from 0.31 on")
@@ -165,7 +165,7 @@ def test_kimi_k3_builder_acts_where_vllm_has_the_bug_and_stands_down_where_fixed
     metadata = builder.build(0, _bug_step_as_the_runner_sends_it())
     if REROUTES:
         assert metadata.num_prefills == 1 and handoff_of(metadata) is None
-        assert zeroed(caches) == [[]] * 4 and "kimi_k3_kda" in step_guard.stood_down()
+        assert zeroed(caches) == [[]] * 4 and "kimi_k3_kda" in support.stood_down()
     else:
         assert metadata.num_decodes == 3  # the bug, in vLLM's own split
         assert zeroed(caches) == [[4]] * 4
