@@ -150,11 +150,11 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
         chunks = state.prompt_chunks
         if chunks is not None:
-            common, draft_counts = compat.step_inputs(original_build, self, args, kwargs)
-            kwargs = chunks.call_kwargs(common, kwargs)
+            inputs = compat.step_inputs(original_build, self, args, kwargs)  # read once per build
+            kwargs = chunks.call_kwargs(inputs[0], kwargs)
             metadata = original_build(self, *args, **kwargs)
-            chunks.keep_state_in_first_column(self, common, draft_counts, metadata)
-            return _guard_step(self, state, original_build, args, kwargs, metadata)
+            chunks.keep_state_in_first_column(self, *inputs, metadata)
+            return _guard_step(self, state, original_build, args, kwargs, metadata, inputs)
         metadata = original_build(self, *args, **kwargs)
         # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
         return _guard_step(self, state, original_build, args, kwargs, metadata)
@@ -178,9 +178,16 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
     return (*args[:at], common, *args[at + 1:]), kwargs
 
 
-def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata):
-    """Stage the step's rows to zero, and zero them here where the step guard owns the group."""
-    common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM 0.26's runner: by keyword
+def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata,
+                inputs: tuple | None = None):
+    """Stage the step's rows to zero, and zero them here where the step guard owns the group.
+
+    ``inputs``: the build's ``(common_attn_metadata, num_decode_draft_tokens_cpu)`` where the caller
+    has read them already (``compat.step_inputs``)."""
+    if inputs is not None:
+        common, draft_counts = inputs
+    else:
+        common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM 0.26's runner: by keyword
     if common is None:
         common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     if state.settled and not has_new_rows(common):
