@@ -396,20 +396,19 @@ MUTATION_ENV = "GDN_FUZZ_MUTATION"
 
 
 def _skip_zeroing() -> None:
-    from gdn_pass.vllm import op_guard, step_guard
+    from gdn_pass.vllm import handoff  # both guards zero through StepHandoff.zero
 
     def no_write(*args, **kwargs):
         return None
 
-    for module in (op_guard, step_guard):
-        # zero_new_rows_all: CUDA steps whose fresh rows are found in vLLM's device tensors
-        module.zero_rows = module.zero_rows_all = module.zero_new_rows_all = no_write
+    # zero_new_rows_all: CUDA steps whose fresh rows are found in vLLM's device tensors
+    handoff.zero_rows = handoff.zero_rows_all = handoff.zero_new_rows_all = no_write
 
 
 def _zeroing_without_writes() -> None:
     import torch
 
-    from gdn_pass.vllm import op_guard, step_guard
+    from gdn_pass.vllm import handoff
 
     def without_writes(zero):
         @functools.wraps(zero)
@@ -418,9 +417,8 @@ def _zeroing_without_writes() -> None:
 
         return launch
 
-    for module in (op_guard, step_guard):
-        module.zero_rows = without_writes(module.zero_rows)
-        module.zero_rows_all = without_writes(module.zero_rows_all)
+    handoff.zero_rows = without_writes(handoff.zero_rows)
+    handoff.zero_rows_all = without_writes(handoff.zero_rows_all)
 
     # CUDA steps whose fresh rows are found on the device (query_len == seq_len): the
     # same launch with every seq_len one longer finds none.
@@ -431,14 +429,13 @@ def _zeroing_without_writes() -> None:
 
         return launch_new
 
-    for module in (op_guard, step_guard):
-        module.zero_new_rows_all = without_new_rows(module.zero_new_rows_all)
+    handoff.zero_new_rows_all = without_new_rows(handoff.zero_new_rows_all)
 
 
 def _nudge_live_rows() -> None:
     """Each CPU zeroing also scales the state of the rows it must leave alone by 1 + 2**-6:
     a guard whose footprint reaches live rows, too small to change most tokens."""
-    from gdn_pass.vllm import op_guard, step_guard
+    from gdn_pass.vllm import handoff
 
     def nudging(zero):
         @functools.wraps(zero)
@@ -449,8 +446,7 @@ def _nudge_live_rows() -> None:
 
         return launch
 
-    for module in (op_guard, step_guard):
-        module.zero_rows = nudging(module.zero_rows)
+    handoff.zero_rows = nudging(handoff.zero_rows)
 
 
 def _harness_zeroing() -> None:

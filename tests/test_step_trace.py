@@ -129,15 +129,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from harness import step_trace  # noqa: E402
-from gdn_pass.vllm import op_guard, step_guard  # noqa: E402
+from gdn_pass.vllm import handoff  # noqa: E402
 
 
 @pytest.fixture
 def guard_functions(monkeypatch):
-    """The zeroing entry points of both guards, restored after the test."""
-    for module in (op_guard, step_guard):
-        for name in ("zero_rows", "zero_rows_all", "zero_new_rows_all"):
-            monkeypatch.setattr(module, name, getattr(module, name))
+    """The zeroing kernels both guards launch (through ``StepHandoff.zero``), restored after the test."""
+    for name in ("zero_rows", "zero_rows_all", "zero_new_rows_all"):
+        monkeypatch.setattr(handoff, name, getattr(handoff, name))
 
 
 def _fresh_slot_cache():
@@ -149,29 +148,28 @@ def _fresh_slot_cache():
 def test_unmutated_guard_zeroes_the_fresh_slot(guard_functions):
     step_trace.apply_mutation(None)
     cache, slot, fresh = _fresh_slot_cache()
-    step_guard.zero_rows(cache, slot, fresh)
+    handoff.zero_rows(cache, slot, fresh)
     assert cache[2].eq(0).all() and cache[[0, 1, 3]].eq(1).all()
 
 
 @pytest.mark.parametrize("mutation", ["skip_zeroing", "zeroing_without_writes"])
 def test_mutations_leave_the_fresh_slot_as_it_was(guard_functions, mutation):
     step_trace.apply_mutation(mutation)
-    for module in (op_guard, step_guard):
-        cache, slot, fresh = _fresh_slot_cache()
-        module.zero_rows(cache, slot, fresh)
-        assert cache.eq(1).all(), (mutation, module.__name__)
+    cache, slot, fresh = _fresh_slot_cache()
+    handoff.zero_rows(cache, slot, fresh)
+    assert cache.eq(1).all(), mutation
 
 
 def test_zeroing_without_writes_still_calls_the_zeroing_with_no_row_fresh(guard_functions, monkeypatch):
     seen = []
-    monkeypatch.setattr(step_guard, "zero_rows_all", lambda table, slot, fresh: seen.append(fresh.clone()))
+    monkeypatch.setattr(handoff, "zero_rows_all", lambda table, slot, fresh: seen.append(fresh.clone()))
     step_trace.apply_mutation("zeroing_without_writes")
-    step_guard.zero_rows_all("table", torch.tensor([2, 0]), torch.tensor([True, True]))
+    handoff.zero_rows_all("table", torch.tensor([2, 0]), torch.tensor([True, True]))
     assert len(seen) == 1 and not seen[0].any()
 
 
-@pytest.mark.parametrize("guard", [op_guard, step_guard], ids=["op_guard", "step_guard"])
-def test_mutations_reach_the_cuda_path_that_finds_fresh_rows_on_the_device(guard_functions, monkeypatch, guard):
+def test_mutations_reach_the_cuda_path_that_finds_fresh_rows_on_the_device(guard_functions, monkeypatch):
+    guard = handoff
     # Both guards' CUDA path (the op guard's steps without speculative rows, the step guard's
     # Lightning and eager GDN steps) launches zero_new_rows_all, which finds fresh rows itself
     # (query_len == seq_len): skip_zeroing must skip it, and zeroing_without_writes must launch

@@ -12,7 +12,10 @@ attached to the metadata object vLLM hands every layer of the group::
     ...
     handoff = handoff_of(metadata)                         # op_guard, in each guarded op
 
-The metadata object is new for every step, so is its hand-off.
+The metadata object is new for every step, so is its hand-off. Both guards
+zero through it (``StepHandoff.zero``): one launch over the group's cache
+table, or cache by cache; the fresh rows from vLLM's device tensors or from
+the staged rows. The three-way choice is made here only.
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from gdn_pass.kernels.zero_rows import CacheTable
+import torch
+
+from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_rows, zero_rows_all
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
 
-__all__ = ["ATTR", "StepHandoff", "attach", "handoff_of"]
+__all__ = ["ATTR", "StepHandoff", "attach", "handoff_of", "new_decode_rows"]
 
 # The one attribute of vLLM's metadata object that gdn-pass sets.
 ATTR = "gdn_pass_handoff"
@@ -77,6 +82,36 @@ class StepHandoff:
             self.decode, self.find_decode = self.find_decode(*self.find_args), None
             self.find_args = ()
         return self.decode
+
+    def zero(self, caches, *, whole_table: bool) -> int:
+        """Zero this step's fresh slots; the launches made. Both guards zero through here.
+
+        ``whole_table``: one launch over the group's ``table`` (every cache of
+        every layer); else cache by cache of ``caches``. The fresh rows come
+        from vLLM's own tensors where the hook left them there (``decode_rows()``,
+        no host sync, capturable), else from the staged ``rows``.
+        """
+        rows, decode = self.rows, self.decode_rows()
+        if whole_table:
+            if decode is not None:
+                zero_new_rows_all(self.table, decode.slots, decode.query_start_loc, decode.seq_lens,
+                                  decode.num_rows, rows.max_rows)
+            else:
+                zero_rows_all(self.table, rows.state_slot, rows.fresh_rows())
+            return 1
+        slots, fresh = (rows.state_slot, rows.fresh_rows()) if decode is None else new_decode_rows(decode)
+        for cache in caches:
+            zero_rows(cache, slots, fresh)
+        return len(caches)
+
+
+def new_decode_rows(decode: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decode rows' slots and which of them are new, as device tensors (no sync, capturable)."""
+    n = decode.num_rows
+    starts = decode.query_start_loc
+    query_lens = starts[1 : n + 1] - starts[:n]
+    # zero_rows reads the slots densely; vLLM's are a column of the block table outside FULL graphs.
+    return decode.slots[:n].contiguous(), (query_lens > 0) & (decode.seq_lens[:n] == query_lens)
 
 
 def attach(metadata, handoff: StepHandoff):

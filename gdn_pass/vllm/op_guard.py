@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 from gdn_pass.vllm.handoff import handoff_of
-from gdn_pass.vllm.rows import DecodeRows
 from gdn_pass.vllm.step_guard import note_guarded_layer
 from gdn_pass.vllm.support import stood_down
 
@@ -72,30 +70,15 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     if handoff.host_fresh == 0 and not _capturing():
         return
-    rows, decode, table = handoff.rows, handoff.decode_rows(), handoff.table
+    table = handoff.table
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
         # One launch zeroes every GDN layer of this metadata's group; the
         # group's other layers find it done (the hand-off is per step).
         if not handoff.zeroed_by_op:
-            if decode is not None:
-                zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens,
-                                  decode.num_rows, rows.max_rows)
-            else:
-                zero_rows_all(table, rows.state_slot, rows.fresh_rows())
+            handoff.zero(layer.kv_cache, whole_table=True)
             handoff.zeroed_by_op = True
         return
-    slots, fresh = (rows.state_slot, rows.fresh_rows()) if decode is None else _new_decode_rows(decode)
-    for cache in layer.kv_cache:
-        zero_rows(cache, slots, fresh)
-
-
-def _new_decode_rows(decode: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decode rows' slots and which of them are new, as device tensors (no sync, capturable)."""
-    n = decode.num_rows
-    starts = decode.query_start_loc
-    query_lens = starts[1 : n + 1] - starts[:n]
-    # zero_rows reads the slots densely; vLLM's are a column of the block table outside FULL graphs.
-    return decode.slots[:n].contiguous(), (query_lens > 0) & (decode.seq_lens[:n] == query_lens)
+    handoff.zero(layer.kv_cache, whole_table=False)
 
 
 def _capturing() -> bool:

@@ -52,7 +52,6 @@ import enum
 
 import torch
 
-from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows, zero_rows_all
 from gdn_pass.vllm.handoff import StepHandoff
 
 __all__ = ["Owner", "activity", "decide_owner", "guarded_layers", "note_guarded_layer", "zero_group"]
@@ -110,18 +109,7 @@ def zero_group(layer_caches: list[torch.Tensor], handoff: StepHandoff) -> int:
     """
     if handoff.host_fresh == 0 or not layer_caches:
         return 0
-    rows, table, decode = handoff.rows, handoff.table, handoff.decode
     _ACTIVITY["steps_zeroed"] += 1
-    launches = 1
-    if table is not None and decode is not None:  # nothing staged: vLLM's tensors say which rows
-        zero_new_rows_all(table, decode.slots, decode.query_start_loc, decode.seq_lens, decode.num_rows,
-                          rows.max_rows)
-    elif table is not None:
-        zero_rows_all(table, rows.state_slot, rows.fresh_rows())
-    else:
-        fresh = rows.fresh_rows()
-        for cache in layer_caches:
-            zero_rows(cache, rows.state_slot, fresh)
-        launches = len(layer_caches)
+    launches = handoff.zero(layer_caches, whole_table=handoff.table is not None)
     _ACTIVITY["zeroings"] += launches
     return launches

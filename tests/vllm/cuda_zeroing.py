@@ -40,31 +40,51 @@ def cpu_table(caches: list[torch.Tensor]) -> CacheTable:
     return CacheTable(caches, torch.tensor(entries, dtype=torch.int64), max(e[2] for e in entries))
 
 
+def zeroing_guard(monkeypatch) -> list:
+    """Name the guard behind each zeroing: a one-item list holding "step" (the step guard zeroes
+    at build: its hand-off says ``zeroed_at_build``) or "op" while ``StepHandoff.zero`` runs."""
+    from gdn_pass.vllm.handoff import StepHandoff
+
+    who = [None]
+    original = StepHandoff.zero
+
+    def zero(self, caches, *, whole_table):
+        who[0] = "step" if self.zeroed_at_build else "op"
+        try:
+            return original(self, caches, whole_table=whole_table)
+        finally:
+            who[0] = None
+
+    monkeypatch.setattr(StepHandoff, "zero", zero)
+    return who
+
+
 def take_the_cuda_path(monkeypatch, launches: list) -> None:
     """Guards zero through the one-launch table and vLLM's device rows only; ``launches`` gets
     ``(guard, cache address)`` for every cache each device-row launch covers."""
     from gdn_pass.kernels import zero_rows
-    from gdn_pass.vllm import metadata_hook, op_guard, step_guard
+    from gdn_pass.vllm import handoff, metadata_hook
 
     monkeypatch.setattr(metadata_hook, "_cache_table", lambda caches, device: cpu_table(caches) if caches else None)
     monkeypatch.setattr(zero_rows, "_programs", lambda device: 3)  # fewer programs than work items
     monkeypatch.setattr(zero_rows, "_CHUNK_WORDS", 16)  # a slot spans several chunks
+    who = zeroing_guard(monkeypatch)
 
     def forbidden(name):
         def call(*args, **kwargs):
-            raise AssertionError(f"{name}: the CUDA path stages nothing and zeroes through vLLM's device rows")
+            raise AssertionError(f"{who[0]} guard's {name}: the CUDA path stages nothing and zeroes "
+                                 "through vLLM's device rows")
         return call
 
-    for module, who in ((step_guard, "step"), (op_guard, "op")):
-        original = module.zero_new_rows_all
+    original = handoff.zero_new_rows_all
 
-        def recorded(table, *args, _original=original, _who=who):
-            launches.extend((_who, cache.data_ptr()) for cache in table.caches)
-            return _original(table, *args)
+    def recorded(table, *args):
+        launches.extend((who[0], cache.data_ptr()) for cache in table.caches)
+        return original(table, *args)
 
-        monkeypatch.setattr(module, "zero_new_rows_all", recorded)
-        monkeypatch.setattr(module, "zero_rows_all", forbidden(f"{who} guard's zero_rows_all"))
-        monkeypatch.setattr(module, "zero_rows", forbidden(f"{who} guard's zero_rows"))
+    monkeypatch.setattr(handoff, "zero_new_rows_all", recorded)
+    monkeypatch.setattr(handoff, "zero_rows_all", forbidden("zero_rows_all"))
+    monkeypatch.setattr(handoff, "zero_rows", forbidden("zero_rows"))
 
 
 def run_module_on_the_cuda_path(module_file: str, runner_test: str, expected_passed: int,

@@ -60,7 +60,7 @@ import pytest
 import torch
 
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import compat, op_guard, step_guard
+from gdn_pass.vllm import compat, handoff, step_guard
 from gdn_pass.vllm.builders import gdn
 from gdn_pass.vllm.handoff import handoff_of
 from tests.vllm.test_metadata_hook import LAYERS, common_metadata, new_builder, stage_all
@@ -373,7 +373,7 @@ def check_step(reqs, cache_mode, metadata, rows, full, caches):
     if any(r.drafts >= 0 for r in reqs):
         assert decode is None
     else:
-        slots, new_rows = op_guard._new_decode_rows(decode)
+        slots, new_rows = handoff.new_decode_rows(decode)
         assert set(slots[new_rows].tolist()) == fresh
 
 

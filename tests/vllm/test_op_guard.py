@@ -64,7 +64,7 @@ def test_profiling_run_without_metadata_is_a_no_op(monkeypatch):
 def test_first_guarded_layer_of_a_step_zeroes_the_whole_group_once(monkeypatch):
     """With a cache table (CUDA), one launch per step covers every layer that
     shares the metadata; the table kernel itself is tested in tests/gpu."""
-    from gdn_pass.vllm import op_guard
+    from gdn_pass.vllm import handoff
 
     layers = [poisoned_layer() for _ in range(3)]
     for i, layer in enumerate(layers):
@@ -74,7 +74,7 @@ def test_first_guarded_layer_of_a_step_zeroes_the_whole_group_once(monkeypatch):
                state_slots=torch.tensor([5]))
     table = SimpleNamespace(addresses=frozenset(t.data_ptr() for layer in layers[:2] for t in layer.kv_cache))
     calls = []
-    monkeypatch.setattr(op_guard, "zero_rows_all", lambda *args: calls.append(args))
+    monkeypatch.setattr(handoff, "zero_rows_all", lambda *args: calls.append(args))
     metadata = attach(SimpleNamespace(), StepHandoff(rows, table=table))
     context = SimpleNamespace(no_compile_layers={layer.prefix: layer for layer in layers},
                               attn_metadata={layer.prefix: metadata for layer in layers})
@@ -125,7 +125,7 @@ def test_steps_without_speculative_rows_read_the_new_rows_from_vllms_tensors(mon
     staged rows are not read: the group launch gets vLLM's own tensors, and a layer
     outside the table zeroes exactly the new decode rows (``seq_len == query_len``)
     of the first ``num_rows``, its slots a column of a block table."""
-    from gdn_pass.vllm import op_guard
+    from gdn_pass.vllm import handoff
     from gdn_pass.vllm.rows import DecodeRows
 
     grouped, alone = poisoned_layer(), poisoned_layer()
@@ -138,8 +138,8 @@ def test_steps_without_speculative_rows_read_the_new_rows_from_vllms_tensors(mon
                         seq_lens=torch.tensor([8, 1, 1, 4, 0], dtype=torch.int32), num_rows=3)
     table = SimpleNamespace(addresses=frozenset(t.data_ptr() for t in grouped.kv_cache))
     calls = []
-    monkeypatch.setattr(op_guard, "zero_new_rows_all", lambda *args: calls.append(args))
-    monkeypatch.setattr(op_guard, "zero_rows_all", lambda *args: pytest.fail("staged rows read"))
+    monkeypatch.setattr(handoff, "zero_new_rows_all", lambda *args: calls.append(args))
+    monkeypatch.setattr(handoff, "zero_rows_all", lambda *args: pytest.fail("staged rows read"))
     metadata = attach(SimpleNamespace(), StepHandoff(rows, host_fresh=1, table=table, decode=decode))
     context = SimpleNamespace(no_compile_layers={grouped.prefix: grouped, alone.prefix: alone},
                               attn_metadata={grouped.prefix: metadata, alone.prefix: metadata})

@@ -19,7 +19,7 @@ from gdn_pass.vllm import metadata_hook, op_guard, step_guard
 from gdn_pass.vllm.handoff import handoff_of
 from gdn_pass.vllm.step_guard import Owner
 
-from cuda_zeroing import on_the_cuda_path, run_module_on_the_cuda_path, take_the_cuda_path
+from cuda_zeroing import on_the_cuda_path, run_module_on_the_cuda_path, take_the_cuda_path, zeroing_guard
 from test_metadata_hook import bug_step, common_metadata
 
 LAYERS = [f"model.layers.{i}.linear_attn" for i in range(3)]
@@ -49,14 +49,16 @@ def zero_calls(monkeypatch):
     if on_the_cuda_path():
         take_the_cuda_path(monkeypatch, calls)
         return calls
-    for module, who in ((step_guard, "step"), (op_guard, "op")):
-        original = module.zero_rows
+    from gdn_pass.vllm import handoff
 
-        def counted(cache, slot, fresh, _original=original, _who=who):
-            calls.append((_who, cache.data_ptr()))
-            return _original(cache, slot, fresh)
+    who = zeroing_guard(monkeypatch)
+    original = handoff.zero_rows
 
-        monkeypatch.setattr(module, "zero_rows", counted)
+    def counted(cache, slot, fresh):
+        calls.append((who[0], cache.data_ptr()))
+        return original(cache, slot, fresh)
+
+    monkeypatch.setattr(handoff, "zero_rows", counted)
     return calls
 
 
