@@ -155,7 +155,7 @@ class HookClock:
                       (metadata_hook, "_group_state", "_group_state"),
                       (step_guard, "zero_group", "zero_group"),
                       (compat, "step_inputs", "step_inputs"),
-                      (compat, "decode_rows", "decode_rows")]
+                      (metadata_hook, "_device_rows", "decode_rows")]
         for owner, name, label in timed:
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
