@@ -33,3 +33,43 @@ def test_the_hook_sets_one_attribute_on_vllms_metadata(monkeypatch, op_guard_own
     step = handoff_of(metadata)
     assert (step.host_fresh, step.zeroed_at_build, step.zeroed_by_op) == (1, not op_guard_owns, False)
     assert step.rows.fresh_slots().tolist() == [4] and step.table is None and step.decode is None
+
+
+def _caches(slots: int = 6):
+    import torch
+
+    return [torch.arange(1, slots + 1, dtype=torch.float32).view(-1, 1, 1).expand(-1, 2, 3).contiguous() * k
+            for k in (1.0, 10.0)]
+
+
+def _zeroed_slots(caches) -> list[list[int]]:
+    return [[s for s in range(c.shape[0]) if not c[s].any()] for c in caches]
+
+
+def test_zero_cache_by_cache_from_the_staged_rows():
+    """Both guards zero through ``StepHandoff.zero``: without a table, each cache in turn, the
+    slots of the staged fresh rows and no other (the reference: the slots the host staged)."""
+    import torch
+
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1,))
+    rows.stage(num_computed_tokens=torch.tensor([5, 0, 0, 3]), query_lens=torch.tensor([1, 1, 0, 1]),
+               state_slots=torch.tensor([1, 4, 2, 3]))  # row 2 has no token: not fresh
+    caches = _caches()
+    assert StepHandoff(rows, host_fresh=1).zero(caches, whole_table=False) == 2
+    assert _zeroed_slots(caches) == [[4], [4]]
+
+
+def test_zero_cache_by_cache_from_vllms_decode_rows():
+    """Where the hand-off carries vLLM's decode rows, the new ones are found in them (a row whose
+    sequence length equals its query length), not in the staged rows."""
+    import torch
+
+    from gdn_pass.vllm.rows import DecodeRows
+
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1,))  # nothing staged
+    decode = DecodeRows(slots=torch.tensor([3, 5, 1, 2], dtype=torch.int32),
+                        query_start_loc=torch.tensor([0, 1, 2, 3, 4], dtype=torch.int32),
+                        seq_lens=torch.tensor([9, 1, 1, 4], dtype=torch.int32), num_rows=3)  # row 3: not a decode
+    caches = _caches()
+    assert StepHandoff(rows, host_fresh=1, decode=decode).zero(caches, whole_table=False) == 2
+    assert _zeroed_slots(caches) == [[1, 5], [1, 5]]
