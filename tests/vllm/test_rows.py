@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from gdn_pass.vllm import compat, rows
+from gdn_pass.vllm import rows
 from gdn_pass.vllm.builders import gdn
 
 FIELDS = ("seq_lens_cpu_upper_bound", "seq_lens_cpu", "num_computed_tokens_cpu")
