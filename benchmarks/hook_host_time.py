@@ -26,7 +26,7 @@ blocks, and reports per step:
                          vllm_us when the hook never waits for the stream
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
-        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--out DIR]
+        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown] [--out DIR]
 """
 
 from __future__ import annotations
@@ -168,6 +168,55 @@ def busy_step_us(builders, steps: Steps) -> float:
     return statistics.median(times)
 
 
+def idle_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, float]:
+    """Where a step without new rows spends the hook's time, line by line, in us: each piece
+    timed alone (best of 5 runs of ``number`` calls) on this step's real metadata, as the hook's
+    short path runs it (``metadata_hook._guard_step``, ``rows.has_new_rows``)."""
+    import timeit
+
+    from gdn_pass.vllm import metadata_hook, rows
+
+    builder = builders[-1]
+    state = metadata_hook.state_of(builder)
+    plain = type(builder).build.__wrapped__
+    common = steps.common()
+    metadata = plain(builder, common_prefix_len=0, common_attn_metadata=common)
+    kwargs = dict(common_prefix_len=0, common_attn_metadata=common)
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    def generic_wrapper(self, *args, **kwargs):  # what any wrapper of build costs: the call itself
+        return plain(self, *args, **kwargs)
+
+    starts = common.query_start_loc_cpu
+    tensor, field = rows.host_lengths(common)
+    lengths = rows.host_array(tensor, common.num_reqs)
+
+    def first_check():
+        rows._last_idle_key[0] = None
+        rows.has_new_rows(common)
+
+    rows.has_new_rows(common)
+    spent = {
+        "wrapper call (*args, **kwargs) around vLLM's build": best(
+            lambda: generic_wrapper(builder, **kwargs)) - best(lambda: plain(builder, **kwargs)),
+        "_guard_step, the whole short path (a later build)": best(
+            lambda: metadata_hook._guard_step(builder, state, plain, (), kwargs, metadata)),
+        "  has_new_rows, a later build (step found by identity)": best(lambda: rows.has_new_rows(common)),
+        "  has_new_rows, the step's first build": best(first_check),
+        "    host_lengths": best(lambda: rows.host_lengths(common)),
+        "    host_array": best(lambda: rows.host_array(tensor, common.num_reqs)),
+        "    argmin and compare": best(lambda: lengths[lengths.argmin()] > common.max_query_len),
+        "    _step_key": best(lambda: rows._step_key(common, starts, tensor, field)),
+        "  the group's caches unchanged (identity)": best(
+            lambda: getattr(state.forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache),
+        "  setattr of the hand-off": best(lambda: setattr(metadata, "gdn_pass_handoff", state.idle)),
+    }
+    rows.has_new_rows(common)
+    return {name: round(us, 2) for name, us in spent.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", type=int, default=3)
@@ -177,6 +226,8 @@ def main():
                     help="steps without new rows whose real rows are padded to a FULL graph's size")
     ap.add_argument("--repeat", type=int, default=400)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time each line of the short path of a step without new rows, alone")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -203,6 +254,10 @@ def main():
             row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
+    breakdown = {}
+    if args.breakdown:
+        breakdown = idle_breakdown(builders, Steps(max(args.batches), 0, device))
+        print(json.dumps(breakdown, indent=1), flush=True)
     import vllm
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -210,7 +265,7 @@ def main():
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]), commit=commit,
                   groups=args.groups, layers_per_group=args.layers_per_group,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
-                  torch=torch.__version__, rows=rows)
+                  torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown)
     table = [f"{args.groups} GDN builders x {args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}", "",
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
@@ -219,6 +274,9 @@ def main():
     table += [f"| {r['batch']}{' -> ' + str(r['padded_to']) if 'padded_to' in r else ''} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
               + (f"{r['first_build_us']} / {r['later_build_us']}" if "first_build_us" in r else "")
               + f" | {r.get('busy_us', '')} |" for r in rows]
+    if breakdown:
+        table += ["", f"A step without new rows (B = {max(args.batches)}), each line alone, us:", "",
+                  "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in breakdown.items()]
     print("\n".join(table))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

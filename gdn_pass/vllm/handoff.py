@@ -61,10 +61,11 @@ class StepHandoff:
     ``zeroed_by_op``: set by the first op guard of the step that zeroed the
     whole ``table``, so that the group's other guarded ops skip.
 
-    ``find_decode``: on a step without new rows (``host_fresh == 0``), where
-    ``decode`` is left to be found by whoever launches anyway (a FULL CUDA
-    graph's capture): ``decode_rows()`` finds it once, as ``find_decode(*find_args)``
-    (no closure is made on the steps that never ask). None otherwise.
+    ``in_capture``: set on a builder's hand-off of the steps without a new row
+    (``host_fresh == 0``), shared by all of them: an op guard that must launch
+    anyway (inside a FULL CUDA graph's capture) asks it for the step's own
+    hand-off, ``in_capture(metadata)``, and zeroes through that one. None on a
+    step's own hand-off.
     """
 
     rows: StagedRowMetadata
@@ -73,25 +74,17 @@ class StepHandoff:
     decode: DecodeRows | None = None
     zeroed_at_build: bool = False
     zeroed_by_op: bool = False
-    find_decode: Callable[..., DecodeRows | None] | None = None
-    find_args: tuple = ()
-
-    def decode_rows(self) -> DecodeRows | None:
-        """``decode``, found first where the hook left it to be found (``find_decode(*find_args)``)."""
-        if self.find_decode is not None:
-            self.decode, self.find_decode = self.find_decode(*self.find_args), None
-            self.find_args = ()
-        return self.decode
+    in_capture: Callable[[object], StepHandoff] | None = None
 
     def zero(self, caches, *, whole_table: bool) -> int:
         """Zero this step's fresh slots; the launches made. Both guards zero through here.
 
         ``whole_table``: one launch over the group's ``table`` (every cache of
         every layer); else cache by cache of ``caches``. The fresh rows come
-        from vLLM's own tensors where the hook left them there (``decode_rows()``,
+        from vLLM's own tensors where the hook left them there (``decode``,
         no host sync, capturable), else from the staged ``rows``.
         """
-        rows, decode = self.rows, self.decode_rows()
+        rows, decode = self.rows, self.decode
         if whole_table:
             if decode is not None:
                 zero_new_rows_all(self.table, decode.slots, decode.query_start_loc, decode.seq_lens,

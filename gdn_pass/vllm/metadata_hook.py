@@ -64,11 +64,9 @@ class BuilderState:
     ``__init__``; ``keeps_decodes``: one-token steps stay on the decode path
     (``support.Decision.keeps_decodes``); ``rows``: its persistent
     ``StagedRowMetadata`` (made at the first build); ``owner``: the guard that
-    zeroes its group (decided at the first build, then fixed); ``group``:
-    the first layer's ``kv_cache`` object, the group's state tensors and
-    (CUDA) their ``CacheTable`` (``_group_state``); ``prompt_chunks``: the
-    repair of prompt rows on a speculating Lightning builder's decode path
-    (``prompt_chunks.for_builder``), or None.
+    zeroes its group (decided at the first build, then fixed);
+    ``prompt_chunks``: the repair of prompt rows on a speculating Lightning
+    builder's decode path (``prompt_chunks.for_builder``), or None.
     """
 
     entry: builders.StateBuilder
@@ -76,11 +74,21 @@ class BuilderState:
     keeps_decodes: bool = False
     rows: StagedRowMetadata | None = None
     owner: step_guard.Owner | None = None
-    group: tuple | None = None
     prompt_chunks: prompt_chunks.PromptChunks | None = None
-    # Set at the first build, once ``rows`` and ``owner`` are: later steps without a new
-    # row take ``_idle_step`` (the common case, kept to a few attribute reads).
-    settled: bool = False
+    # The group's state (``_group_state``): vLLM's forward context and the group's first layer's
+    # name, that layer's ``kv_cache`` object when the rest were read, every state tensor of the
+    # group and (CUDA) their ``CacheTable``.
+    forward_context: dict | None = None
+    first_name: str | None = None
+    first_kv_cache: object = None
+    caches: list | None = None
+    table: CacheTable | None = None
+    # The hand-off of every step without a new row, made once the owner is decided (the
+    # builder's first build): such a step (most of a serving engine's) only attaches it
+    # (``_guard_step``). ``common``: the last such step's ``CommonAttentionMetadata``, for a
+    # FULL CUDA graph's capture (``_capture_handoff``).
+    idle: StepHandoff | None = None
+    common: object = None
 
 
 def state_of(builder) -> BuilderState | None:
@@ -187,29 +195,43 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
     if inputs is not None:
         common, draft_counts = inputs
     else:
-        common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM 0.26's runner: by keyword
-    if common is None:
-        common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
-    if state.settled and not has_new_rows(common):
-        return _idle_step(state, common, metadata)
+        common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM's runners: by keyword
+        if common is None:  # by position (a CUDA graph's capture, build_for_cudagraph_capture)
+            common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
+    idle = state.idle
+    # Most steps: no new row, the group's caches as they were. The step's one check is made by its
+    # first build (``rows.has_new_rows``); a later build of the step finds it by identity.
+    if (idle is not None and not has_new_rows(common)
+            and getattr(state.forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache):
+        rows = state.rows
+        if not rows.fresh_clear:  # the first such step after one with fresh rows
+            rows.stage_no_fresh(rows.num_rows)
+        state.common = common
+        setattr(metadata, ATTR, idle)
+        return metadata
     if draft_counts is _UNREAD:  # the step's inputs are read once per build
         common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = state.rows
     if rows is None:
         rows = state.rows = _new_rows(builder, state.context, state.entry)
-    step = state.entry.rows(common, metadata, draft_counts)
-    fresh = step.fresh
+    caches, table = _group_state(state)
     owner = state.owner
     if owner is None:
         owner = state.owner = _decide_owner(state)
-        state.settled = True
+        state.idle = StepHandoff(rows, 0, None, None, owner is _STEP,
+                                 in_capture=functools.partial(_capture_handoff, state))
+    elif not has_new_rows(common):  # a step without new rows whose group's caches were rebound
+        rows.stage_no_fresh(rows.num_rows)
+        state.common = common
+        return attach(metadata, state.idle)
     step_owned = owner is _STEP
-    caches, table = _group_state(state)
+    step = state.entry.rows(common, metadata, draft_counts)
+    fresh = step.fresh
     decode = _device_rows(state, table, common, metadata)
     if decode is None:  # else the zeroing launch finds the new rows in vLLM's tensors
         if fresh:  # only what the guards read: the rows to zero and their slots
             step.stage_fresh(rows)
-        else:  # most steps: nothing to zero
+        else:  # nothing to zero: no new row (a first build), or all on the prefill path
             rows.stage_no_fresh(step.num_rows)
     handoff = StepHandoff(rows, fresh, table, decode, step_owned)
     if step_owned:
@@ -217,33 +239,14 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
     return attach(metadata, handoff)
 
 
-def _idle_step(state: BuilderState, common, metadata):
-    """Attach the hand-off of a step without a new row (most steps of a serving engine): nothing to zero.
-
-    No row of any builder is read (``rows`` module invariant: a row to zero
-    is a new row), staged flags are cleared (once after a step that staged
-    some), and the guards launch nothing, except an op guard inside a FULL
-    CUDA graph's capture: it finds vLLM's decode rows then
-    (``StepHandoff.find_decode``). The group's table is checked here, since
-    it cannot be built inside capture. Kept to attribute reads and one
-    allocation: it runs once per builder on nearly every step.
-    """
-    rows = state.rows
-    if not rows.fresh_clear:
-        rows.stage_no_fresh(rows.num_rows)
-    kept = state.group  # _group_state's identity check, inlined
-    if kept is not None and getattr(kept[3].get(kept[4]), "kv_cache", None) is kept[0]:
-        table = kept[2]
-    else:
-        table = _group_state(state)[1]
-    step_owned = state.owner is _STEP
-    if table is None or state.entry.device_rows is None:
-        handoff = StepHandoff(rows, 0, table, None, step_owned)
-    else:
-        handoff = StepHandoff(rows, 0, table, None, step_owned, False, _device_rows,
-                              (state, table, common, metadata))
-    setattr(metadata, ATTR, handoff)
-    return metadata
+def _capture_handoff(state: BuilderState, metadata) -> StepHandoff:
+    """A hand-off of this step's own for an op guard inside a FULL CUDA graph's capture, on a step
+    without new rows: the guard launches anyway, so that the replayed graph zeroes later steps'
+    rows, from vLLM's decode rows where the entry reads them (its persistent buffers then), else
+    from the staged rows. The group's table was made at build, outside the capture."""
+    table, rows = state.table, state.rows
+    decode = _device_rows(state, table, state.common, metadata)
+    return StepHandoff(rows, 0, table, decode, state.owner is _STEP)
 
 
 def _device_rows(state: BuilderState, table: CacheTable | None, common, metadata) -> DecodeRows | None:
@@ -312,6 +315,7 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
 
 
 _STEP = step_guard.Owner.STEP
+_NOT_BOUND = object()  # _group_state: the group's first layer has no caches
 _UNREAD = object()  # _guard_step: the draft counts not read yet
 
 
@@ -339,18 +343,21 @@ def _group_state(state: BuilderState) -> tuple[list[torch.Tensor], CacheTable | 
     one identity check per build covers the group (12 layers in Qwen3-Next-80B's
     groups). The table is built here, outside CUDA-graph capture.
     """
-    kept = state.group
-    if kept is not None:  # (first layer's kv_cache, caches, table, forward context, first layer's name)
-        if getattr(kept[3].get(kept[4]), "kv_cache", None) is kept[0]:
-            return kept[1], kept[2]
+    forward_context = state.forward_context
+    if forward_context is not None:
+        if getattr(forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache:
+            return state.caches, state.table
     context = state.context
     forward_context = context.vllm_config.compilation_config.static_forward_context
     bound = [getattr(forward_context.get(name), "kv_cache", None) for name in context.layer_names]
     caches = [t for kv_cache in bound for t in (kv_cache or ())
               if isinstance(t, torch.Tensor) and t.numel()]
-    table = _cache_table(caches, context.device)
-    state.group = (bound[0], caches, table, forward_context, context.layer_names[0])
-    return caches, table
+    state.caches, state.table = caches, _cache_table(caches, context.device)
+    state.forward_context, state.first_name = forward_context, context.layer_names[0]
+    # A first layer missing from the forward context, or without caches, keeps every build of
+    # the group on the full path: its caches are read again each time.
+    state.first_kv_cache = _NOT_BOUND if bound[0] is None else bound[0]
+    return state.caches, state.table
 
 
 def _cache_table(caches: list[torch.Tensor], device: torch.device) -> CacheTable | None:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_pass.vllm.handoff import handoff_of
+from gdn_pass.vllm.handoff import attach, handoff_of
 from gdn_pass.vllm.step_guard import note_guarded_layer
 from gdn_pass.vllm.support import stood_down
 
@@ -70,6 +70,9 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     if handoff.host_fresh == 0 and not _capturing():
         return
+    if handoff.in_capture is not None:  # the builder's shared hand-off: this step gets its own
+        handoff = handoff.in_capture(metadata)
+        attach(metadata, handoff)  # the group's other guarded ops find it done
     table = handoff.table
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
         # One launch zeroes every GDN layer of this metadata's group; the

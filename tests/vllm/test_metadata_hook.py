@@ -413,10 +413,11 @@ def test_host_tensors_refilled_in_place_are_a_new_step(monkeypatch, refilled):
 
 @pytest.mark.parametrize("by_keyword", [True, False])
 def test_a_step_without_new_rows_leaves_the_decode_rows_to_a_capture(monkeypatch, by_keyword):
-    """On a step without a new row the hook reads no row of the builder (vLLM's runners pass the
-    metadata by keyword: the wrapper's own short path). Where the zeroing launch reads vLLM's
-    decode rows (CUDA), they are found only when a guard asks (a FULL CUDA graph's capture),
-    from this step's metadata, once; and a rebound group is checked on such a step too."""
+    """On a step without a new row the hook reads no row of the builder and attaches the builder's
+    one hand-off of such steps (vLLM's runners pass the metadata by keyword: the short path).
+    Where the zeroing launch reads vLLM's decode rows (CUDA), they are found only when a guard
+    asks (a FULL CUDA graph's capture), from that step's metadata, in a hand-off of the step's
+    own; and a rebound group is checked on such a step too."""
     from gdn_pass.vllm import step_guard
 
     monkeypatch.setattr(step_guard, "_GUARDED_LAYERS", set())
@@ -437,14 +438,18 @@ def test_a_step_without_new_rows_leaves_the_decode_rows_to_a_capture(monkeypatch
     monkeypatch.setitem(entry.__dict__, "rows", lambda *a: pytest.fail("rows read on a step without new rows"))
     step = step_of([10, 1, 31], [1, 1, 1], [3, 4, 5])
     metadata = build(step)
-    handoff = handoff_of(metadata)
-    assert handoff.host_fresh == 0 and handoff.decode is None and not found, "decode rows found unasked"
-    assert handoff.decode_rows() is decode_rows and handoff.decode_rows() is decode_rows
+    shared = handoff_of(metadata)
+    assert shared.host_fresh == 0 and shared.decode is None and not found, "decode rows found unasked"
+    assert handoff_of(build(step_of([12, 3, 33], [1, 1, 1], [3, 4, 5]))) is shared  # one per builder
+    metadata = build(step)
+    own = shared.in_capture(metadata)
+    assert own is not shared and own.in_capture is None and own.decode is decode_rows
     assert len(found) == 1 and found[0][0] is step and found[0][1] is metadata
-    assert handoff.table.caches == tables[-1] and len(tables) == 1
+    assert own.table.caches == tables[-1] and len(tables) == 1
     rebound = bind_poisoned_caches(config)  # vLLM binds new caches: the next idle step's table has them
-    handoff = handoff_of(build(step_of([11, 2, 32], [1, 1, 1], [3, 4, 5])))
-    assert len(tables) == 2 and handoff.table.caches == rebound
+    metadata = build(step_of([11, 2, 32], [1, 1, 1], [3, 4, 5]))
+    assert handoff_of(metadata) is shared
+    assert len(tables) == 2 and shared.in_capture(metadata).table.caches == rebound
 
 
 def test_the_cost_benchmarks_clock_sees_every_build(monkeypatch):

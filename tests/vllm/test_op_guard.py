@@ -105,6 +105,34 @@ def test_step_the_host_knows_has_no_fresh_row_launches_nothing_outside_capture(m
     assert layer.kv_cache[1][5].eq(0.0 if capturing else 6.0).all()
 
 
+def test_in_capture_a_shared_hand_off_gives_the_step_its_own(monkeypatch):
+    """A builder's hand-off of steps without a new row is one object for all of them. Inside a
+    FULL graph's capture the op guard zeroes through the step's own hand-off (``in_capture``),
+    attached for the group's other layers, so the shared one is never marked as zeroed: a later
+    step's guards would otherwise skip."""
+    from gdn_pass.vllm import handoff, op_guard
+
+    layers = [poisoned_layer() for _ in range(2)]
+    for i, layer in enumerate(layers):
+        layer.prefix = f"model.layers.{i}.linear_attn"
+    rows = StagedRowMetadata(8, pad_slot_ids=(-1, 0))
+    table = SimpleNamespace(addresses=frozenset(t.data_ptr() for layer in layers for t in layer.kv_cache))
+    made, calls = [], []
+    shared = StepHandoff(rows, host_fresh=0, in_capture=lambda md: made.append(md) or StepHandoff(rows, 0, table))
+    monkeypatch.setattr(handoff, "zero_rows_all", lambda *args: calls.append(args))
+    monkeypatch.setattr(op_guard, "_capturing", lambda: True)
+    metadata = attach(SimpleNamespace(), shared)
+    context = SimpleNamespace(no_compile_layers={layer.prefix: layer for layer in layers},
+                              attn_metadata={layer.prefix: metadata for layer in layers})
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    for layer in layers:
+        zero_fresh_state(layer.prefix)
+    own = metadata.gdn_pass_handoff
+    assert made == [metadata] and own is not shared and own.zeroed_by_op
+    assert len(calls) == 1 and calls[0][0] is table  # one launch for the group, in the capture
+    assert not shared.zeroed_by_op and shared.decode is None
+
+
 def test_a_fresh_row_naming_the_padding_slot_writes_nothing(monkeypatch):
     """``stage_fresh`` takes the host's rows as they are; a fresh row whose slot is
     -1 (vLLM's PAD_SLOT_ID) must not zero the last slot (``cache[-1]``) on CPU."""
