@@ -42,7 +42,7 @@ def worker(args) -> None:
                 spent.append(time.perf_counter() - start)
 
     compile_fx_module.compile_fx = timed
-    from gdn_pass.vllm.scenarios import make_llm
+    from gdn_pass.vllm.checker.scenarios import make_llm
 
     start = time.perf_counter()
     make_llm(args.model, guard=args.hook is not None, report_dir=args.report_dir,

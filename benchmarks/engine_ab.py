@@ -148,7 +148,7 @@ def main() -> int:
 
     import torch
 
-    from gdn_pass.vllm.scenarios import make_llm
+    from gdn_pass.vllm.checker.scenarios import make_llm
 
     model = write_model(args.dims, args.layers, Path(args.workdir) / f"model_{args.dims}_{args.layers}")
     engine_args = dict(load_format="auto" if args.dims.endswith("tiny") else "dummy",

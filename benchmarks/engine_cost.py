@@ -186,7 +186,7 @@ class Engine:
     """One engine (plain or gdn-pass) and the measurements it runs, in its own process."""
 
     def __init__(self, spec: dict):
-        from gdn_pass.vllm.scenarios import make_llm
+        from gdn_pass.vllm.checker.scenarios import make_llm
 
         self.name = spec["engine"]
         self.guarded = self.name == "gdn-pass"

@@ -33,7 +33,7 @@ DECODING = 4
 def worker(args) -> None:
     from vllm import SamplingParams
 
-    from gdn_pass.vllm.scenarios import make_llm
+    from gdn_pass.vllm.checker.scenarios import make_llm
 
     llm = make_llm(args.model, guard=args.guard, max_num_seqs=DECODING + max(FRESH_COUNTS),
                    num_gpu_blocks_override=None, max_model_len=512)

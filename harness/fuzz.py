@@ -86,7 +86,7 @@ HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harne
 CLEAN_OFF = "off+zeroed_at_start"
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
-# Engine settings per fuzz configuration (on top of gdn_pass.vllm.scenarios.make_llm's).
+# Engine settings per fuzz configuration (on top of gdn_pass.vllm.checker.scenarios.make_llm's).
 ENGINE_CONFIGS: dict[str, dict] = {
     "prefix_caching": dict(enable_prefix_caching=True),
     "no_prefix_caching": dict(enable_prefix_caching=False),
@@ -352,7 +352,7 @@ def run_stream(llm, stream: list[FuzzRequest], trace_detail: bool = False) -> di
 
 
 def _engine_main(args) -> None:
-    from gdn_pass.vllm.scenarios import make_llm
+    from gdn_pass.vllm.checker.scenarios import make_llm
 
     from harness import step_trace
 

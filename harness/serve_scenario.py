@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from gdn_pass.vllm.scenarios import R1_PROMPT, R1_TOKENS, R3_PROMPT, R3_TOKENS, engine_args_for_this_machine
+from gdn_pass.vllm.checker.scenarios import R1_PROMPT, R1_TOKENS, R3_PROMPT, R3_TOKENS, engine_args_for_this_machine
 from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
 R2_PROMPT, R2_TOKENS = list(range(30, 36)), 64  # long enough to outlast R3

@@ -173,6 +173,17 @@ def test_core_does_not_import_the_vllm_adapter():
     assert not bad, bad
 
 
+def test_the_plugin_does_not_import_the_checkers_engines():
+    """``gdn_pass.vllm.checker`` (the engines behind ``gdn-pass check`` / ``demo``) sits on the
+    plugin, never under it: no other module of the adapter imports it."""
+    graph = import_graph()
+    assert "gdn_pass.vllm.checker.scenarios" in graph  # the analysis sees the package
+    bad = sorted(f"{name} -> {target}" for name, targets in graph.items()
+                 if within(name, "gdn_pass.vllm") and not within(name, "gdn_pass.vllm.checker")
+                 for target in targets if within(target, "gdn_pass.vllm.checker"))
+    assert not bad, bad
+
+
 def _loads_by_name(path: Path, known: dict[str, Path]) -> list[str]:
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):

@@ -67,7 +67,7 @@ def test_the_wheel_ships_the_product_and_no_harness(wheel):
     packages = {n.split("/")[0] for n in names if not n.startswith("gdn_pass-")}
     assert packages == {"gdn_pass", "inductor_ext"}, packages
     for shipped in ("gdn_pass/state_pass.py", "gdn_pass/cli.py", "gdn_pass/checker/poison_oracle.py",
-                    "gdn_pass/checker/demo.py", "gdn_pass/vllm/scenarios.py", "inductor_ext/gated_gather.py"):
+                    "gdn_pass/checker/demo.py", "gdn_pass/vllm/checker/scenarios.py", "inductor_ext/gated_gather.py"):
         assert shipped in names, shipped
     test_only = [n for n in names if any(word in n for word in ("fuzz", "families", "step_trace", "benchmark",
                                                                 "tiny_checkpoints", "harness"))]

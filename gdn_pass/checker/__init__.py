@@ -6,6 +6,6 @@
   eager fresh-state run;
 - ``checkpoints``, ``qwen_layers``: the bundled tiny seeded checkpoints
   (``tiny-qwen3-next``, ``tiny-llama``);
-- ``demo``: runs the vLLM scenarios (``gdn_pass.vllm.scenarios``) each in a
+- ``demo``: runs the vLLM scenarios (``gdn_pass.vllm.checker.scenarios``) each in a
   fresh engine process and compares them.
 """

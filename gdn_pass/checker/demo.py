@@ -47,7 +47,7 @@ def run_scenario(
     name = name or f"{scenario}_{guard}"
     workdir.mkdir(parents=True, exist_ok=True)
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    cmd = [python, "-m", "gdn_pass.vllm.scenarios", scenario, "--model", str(model),
+    cmd = [python, "-m", "gdn_pass.vllm.checker.scenarios", scenario, "--model", str(model),
            "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
     if eager:
         cmd.append("--eager")

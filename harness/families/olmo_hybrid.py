@@ -21,7 +21,7 @@ fused-conv loader (``_make_fused_conv1d_weight_loader`` in
 with ``None``: ``TypeError: list indices must be integers or slices, not
 NoneType`` (vllm PR #55858, open). No checkpoint layout avoids it (a
 pre-fused ``conv1d.weight`` reaches the same loader without a shard id), so
-``gdn_pass.vllm.model_loading.fix_fused_conv1d_weight_loader`` applies that
+``gdn_pass.vllm.checker.model_loading.fix_fused_conv1d_weight_loader`` applies that
 PR's fix in the engine process, before vLLM builds the model, where the
 installed vLLM needs it.
 """

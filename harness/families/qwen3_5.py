@@ -44,7 +44,7 @@ from transformers' ``qwen2_vl.image_processing_qwen2_vl``, a module that
 imports ``torchvision.transforms.v2`` at top level (transformers 5.10 to
 5.24). PyPI has only CUDA builds of torchvision, which cannot load next to
 the CPU torch, so the project's environments have none.
-``gdn_pass.vllm.model_loading.allow_import_without_torchvision`` serves
+``gdn_pass.vllm.checker.model_loading.allow_import_without_torchvision`` serves
 transformers' PIL variant of that module instead (same ``smart_resize``); the
 scenarios call it in the engine process before vLLM loads the model.
 """

@@ -35,9 +35,9 @@ LOGPROB_TOL = 1e-2
 
 def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, compilation=(),
              env_extra=None, extra=()) -> dict:
-    """Run ``gdn_pass.vllm.scenarios`` in a fresh engine process; its result, or its error and log tail."""
+    """Run ``gdn_pass.vllm.checker.scenarios`` in a fresh engine process; its result, or its error and log tail."""
     out, log = workdir / f"{name}.json", workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "gdn_pass.vllm.scenarios", scenario, "--model", str(model),
+    cmd = [sys.executable, "-m", "gdn_pass.vllm.checker.scenarios", scenario, "--model", str(model),
            "--guard", guard, "--out", str(out), "--report-dir", str(workdir / f"reports_{name}")]
     cmd += [a for item in ENGINE for a in ("--engine-arg", item)]
     cmd += [a for item in compilation for a in ("--compilation-arg", item)]

@@ -17,7 +17,7 @@ from torch import nn
 
 import gdn_pass
 from gdn_pass.checker.demo import LOGPROB_TOL, run_demo
-from gdn_pass.vllm.model_loading import prepare_engine_process
+from gdn_pass.vllm.checker.model_loading import prepare_engine_process
 from harness.families import FAMILY_ENGINE_ARGS, kind_for_vllm
 from harness.families.bailing_moe_v3 import BAILING_MOE_V3_CONFIG
 from harness.families.kimi_linear import KIMI_LINEAR_CONFIG
@@ -123,13 +123,13 @@ def test_released_qwen3_5_layout_bug_reproduced_and_fixed(kind, engine_dir):
 # An engine with the MTP drafter, in process. vLLM inspects the drafter's class
 # (Qwen3_5MTP) in a subprocess, which imports torchvision through qwen3_5.py;
 # the project's CPU environments have none, so both classes are registered here,
-# behind the import alias, as gdn_pass.vllm.scenarios does for the target alone.
+# behind the import alias, as gdn_pass.vllm.checker.scenarios does for the target alone.
 _MTP_ENGINE = """
 import os, sys
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 model, target, drafter = sys.argv[1:4]
 from vllm import LLM, ModelRegistry
-from gdn_pass.vllm.model_loading import allow_import_without_torchvision
+from gdn_pass.vllm.checker.model_loading import allow_import_without_torchvision
 if allow_import_without_torchvision():
     for arch in (target, drafter):
         ModelRegistry.register_model(arch, ModelRegistry._try_load_model_cls(arch))

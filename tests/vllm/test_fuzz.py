@@ -18,7 +18,7 @@ import pytest
 from harness import fuzz as fz
 from harness.fuzz_judge import footprint_problem, fresh_reads, host_noise
 from harness.tiny_checkpoints import write_checkpoint
-from gdn_pass.vllm.scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
+from gdn_pass.vllm.checker.scenarios import R1_PROMPT, R3_PROMPT, R3_TOKENS
 
 pytestmark = pytest.mark.slow
 

@@ -1,9 +1,9 @@
-"""gdn_pass.vllm.scenarios.make_llm: the engine arguments it builds (no engine starts)."""
+"""gdn_pass.vllm.checker.scenarios.make_llm: the engine arguments it builds (no engine starts)."""
 
 import pytest
 
 import vllm
-from gdn_pass.vllm.scenarios import make_llm
+from gdn_pass.vllm.checker.scenarios import make_llm
 from gdn_pass.vllm import GDNStatePass
 from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 

@@ -13,7 +13,7 @@
                that the scheduler splits into chunks of at most M tokens, so
                its first, fresh chunk runs next to R2's decode.
 
-    python -m gdn_pass.vllm.scenarios poisoned --model DIR --guard on --out result.json
+    python -m gdn_pass.vllm.checker.scenarios poisoned --model DIR --guard on --out result.json
 
 Each run is its own process: vLLM engines do not share a process cleanly,
 and a fresh engine is what "isolated" means.
@@ -48,7 +48,7 @@ def load_model_classes_in_process(model: str) -> None:
     that avoids it lives in this process, so the classes are imported here and
     registered as classes, which vLLM then inspects in process.
     """
-    from gdn_pass.vllm.model_loading import allow_import_without_torchvision
+    from gdn_pass.vllm.checker.model_loading import allow_import_without_torchvision
 
     if not allow_import_without_torchvision():
         return  # torchvision present: vLLM's own lazy inspection works
@@ -94,7 +94,7 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
     from vllm import LLM
 
     load_model_classes_in_process(model)
-    from gdn_pass.vllm.model_loading import prepare_engine_process
+    from gdn_pass.vllm.checker.model_loading import prepare_engine_process
 
     prepare_engine_process(model)  # what this vLLM needs to load the tiny checkpoint
     compilation_config: dict = dict(compilation or {})

@@ -1,7 +1,7 @@
 """What vLLM needs to load a model in the checker's engine processes, applied before it starts.
 
 Workarounds for the installed vLLM, not part of the fix: the checker
-(``gdn_pass.vllm.scenarios``, behind ``gdn-pass check`` / ``demo``) runs
+(``gdn_pass.vllm.checker.scenarios``, behind ``gdn-pass check`` / ``demo``) runs
 models the user names, and these let the releases the project supports load
 them.
 
