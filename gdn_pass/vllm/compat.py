@@ -313,6 +313,15 @@ def engine_compiles(vllm_config) -> bool:
     return int(mode or 0) != 0
 
 
+def micro_batched(vllm_config) -> bool:
+    """Does this engine split a step into micro-batches (dual-batch overlap, ``ubatch_size > 1``)?
+
+    The forward context then holds one metadata dict per micro-batch
+    (``parallel_config.use_ubatching``, 0.27-0.34)."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    return bool(getattr(parallel, "use_ubatching", False))
+
+
 # --- GDN/KDA core ops -----------------------------------------------------------
 
 

@@ -322,15 +322,20 @@ _UNREAD = object()  # _guard_step: the draft counts not read yet
 def _decide_owner(state: BuilderState) -> step_guard.Owner:
     """Which guard zeroes this group's fresh slots: decided at the first build, then fixed."""
     context, entry = state.context, state.entry
+    # Micro-batched steps hand the op guard one metadata dict per micro-batch: the step guard
+    # zeroes each micro-batch's fresh rows at its own build instead.
+    micro_batched = compat.micro_batched(context.vllm_config)
     owner = step_guard.decide_owner(
-        context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config))
+        context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config)
+        and not micro_batched)
     uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
     logger.info(
         "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
         "by the op guard (the guarded ops in the compiled graph)" if owner is step_guard.Owner.OP
         else "by the step guard at metadata build (one zeroing launch per step with fresh rows)",
         f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
-        if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards else "")
+        if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards and not micro_batched
+        else "; micro-batched steps (dual-batch overlap)" if micro_batched else "")
     return owner
 
 

@@ -47,12 +47,19 @@ def zero_fresh_state(layer_name: str) -> None:
     if all_metadata is None:  # profiling / dummy run: the op itself does nothing
         return
     layer = context.no_compile_layers[layer_name]
-    if isinstance(all_metadata, list):
-        raise GuardError(
-            "gdn-pass does not support micro-batched (DBO) attention metadata yet; "
-            "disable dual-batch overlap or remove GDNStatePass from the config"
-        )
-    metadata = all_metadata.get(getattr(layer, "prefix", layer_name))
+    name = getattr(layer, "prefix", layer_name)
+    if isinstance(all_metadata, list):  # micro-batches: the step guard zeroed each at its build
+        for part in all_metadata:
+            metadata = part.get(name)
+            handoff = None if metadata is None else handoff_of(metadata)
+            if not (metadata is None or (handoff is None and "gdn" in stood_down())
+                    or (handoff is not None and handoff.zeroed_at_build)):
+                raise GuardError(
+                    f"gdn-pass: micro-batched metadata of {layer_name} was not zeroed at build "
+                    "(the step guard owns every group of a micro-batched engine from its first "
+                    "build); disable dual-batch overlap or remove GDNStatePass from the config")
+        return
+    metadata = all_metadata.get(name)
     if metadata is None:
         return
     handoff = handoff_of(metadata)

@@ -38,7 +38,9 @@ under the same one):
   group has already run through a guarded op (the op guard notes its layer
   the first time it runs, which is in vLLM's profiling or warm-up forward,
   before any step);
-- ``Owner.STEP``, the step guard, otherwise, including every eager engine.
+- ``Owner.STEP``, the step guard, otherwise, including every eager engine
+  and every micro-batched one (dual-batch overlap: one metadata dict per
+  micro-batch reaches the ops, each zeroed at its own build).
 
 So a slot is zeroed once per step, by exactly one of the two, and a layer no
 guarded op reached is never left to the op guard. The step guard is correct in

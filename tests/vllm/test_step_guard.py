@@ -205,6 +205,25 @@ def test_owner_is_fixed_at_the_first_build(monkeypatch, guarded, zero_calls):
     assert handoff_of(metadata).zeroed_at_build
 
 
+def test_micro_batched_engine_is_guarded_at_each_build(monkeypatch, guarded, zero_calls):
+    """With dual-batch overlap the forward context holds one metadata dict per micro-batch: the
+    step guard owns the group although every layer runs through a guarded op, and the op guards
+    find each micro-batch zeroed (no error inside the step)."""
+    builder, layers = engine(monkeypatch, compiled=True)
+    builder.vllm_config.parallel_config.enable_dbo = True
+    warm_up(monkeypatch, layers, covered=LAYERS)
+    metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    other = builder.build(common_prefix_len=0, common_attn_metadata=common_metadata([7, 9, 30], [1, 1, 1]))
+    assert metadata_hook.state_of(builder).owner is Owner.STEP
+    assert_only_fresh_slot_zeroed(layers)
+    context = SimpleNamespace(no_compile_layers=layers,
+                              attn_metadata=[{n: metadata for n in layers}, {n: other for n in layers}])
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    for name in LAYERS:
+        op_guard.zero_fresh_state(name)
+    assert {who for who, _ in zero_calls} == {"step"}
+
+
 def test_decide_owner():
     step_guard._GUARDED_LAYERS.add("covered.layer")
     try:
@@ -218,4 +237,4 @@ def test_decide_owner():
 
 @pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
 def test_every_case_again_on_the_cuda_zeroing_path():
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=7)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=8)
