@@ -63,13 +63,17 @@ def zero_calls(monkeypatch):
 
 
 def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names=LAYERS):
-    """A configured GDN builder over poisoned layers, and the layers."""
+    """A configured GDN builder over poisoned layers, and the layers. On releases where vLLM
+    reroutes fresh rows itself (0.31+) the GDN entry stands down on CPU; the guards are tested as
+    in an engine where it acts (vLLM's V1 runner with FULL CUDA graphs, ``support.reroute_holds``)."""
     from vllm.config import CompilationConfig, VllmConfig
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from gdn_pass.vllm import GDNStatePass, metadata_hook
+    from gdn_pass.vllm import GDNStatePass, metadata_hook, support
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
+
+    monkeypatch.setattr(support, "reroute_holds", lambda vllm_config: None)
 
     monkeypatch.setattr(qwen_gdn_linear_attn, "_resolve_gdn_prefill_backend",
                         lambda cfg: ("triton", "triton"), raising=False)
