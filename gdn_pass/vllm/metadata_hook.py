@@ -199,10 +199,11 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         if common is None:  # by position (a CUDA graph's capture, build_for_cudagraph_capture)
             common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     idle = state.idle
-    # Most steps: no new row, the group's caches as they were. The step's one check is made by its
-    # first build (``rows.has_new_rows``); a later build of the step finds it by identity.
-    if (idle is not None and not has_new_rows(common)
-            and getattr(state.forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache):
+    # Most steps: no new row. The step's one check is made by its first build
+    # (``rows.has_new_rows``); a later build of the step finds it by identity.
+    if idle is not None and not has_new_rows(common):
+        if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
+            _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
         rows = state.rows
         if not rows.fresh_clear:  # the first such step after one with fresh rows
             rows.stage_no_fresh(rows.num_rows)
@@ -220,10 +221,6 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         owner = state.owner = _decide_owner(state)
         state.idle = StepHandoff(rows, 0, None, None, owner is _STEP,
                                  in_capture=functools.partial(_capture_handoff, state))
-    elif not has_new_rows(common):  # a step without new rows whose group's caches were rebound
-        rows.stage_no_fresh(rows.num_rows)
-        state.common = common
-        return attach(metadata, state.idle)
     step_owned = owner is _STEP
     step = state.entry.rows(common, metadata, draft_counts)
     fresh = step.fresh
