@@ -51,7 +51,7 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from gdn_pass.vllm import GDNStatePass, metadata_hook, step_guard
+    from gdn_pass.vllm import VllmGDNStatePass, metadata_hook, step_guard
 
     try:  # the prefill-backend probe reads a model config on CUDA; there is no model here
         from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
@@ -61,7 +61,7 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
         pass
     metadata_hook.install()
     config = VllmConfig(
-        compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()}),
+        compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()}),
         additional_config={"gdn_prefill_backend": "triton"})
     config.scheduler_config.max_num_seqs = max(config.scheduler_config.max_num_seqs, num_blocks)
     context = config.compilation_config.static_forward_context

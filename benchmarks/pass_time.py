@@ -47,7 +47,7 @@ def vllm_like_graph(num_layers: int) -> Graph:
 
 def main() -> None:
     from gdn_pass.report import reports
-    from gdn_pass.vllm import GDNStatePass
+    from gdn_pass.vllm import VllmGDNStatePass
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -58,7 +58,7 @@ def main() -> None:
         for _ in range(7):
             g = vllm_like_graph(layers)
             start = time.perf_counter()
-            GDNStatePass()(g)
+            VllmGDNStatePass()(g)
             times.append(time.perf_counter() - start)
         assert len(reports()[-1].guarded) == layers
         rows.append(dict(gdn_layers=layers, nodes=len(g.nodes), median_ms=statistics.median(times) * 1e3))

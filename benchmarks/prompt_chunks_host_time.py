@@ -50,14 +50,14 @@ def make_builder(max_rows: int):
     from vllm.v1.attention.backends.linear_attn import BailingLinearAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from gdn_pass.vllm import GDNStatePass, metadata_hook, step_guard
+    from gdn_pass.vllm import VllmGDNStatePass, metadata_hook, step_guard
 
     # An engine with one speculative token (a speculative_config needs a model to load).
     VllmConfig.num_speculative_tokens = property(lambda self: K)
     step_guard._GUARDED_LAYERS.clear()  # no compiled graph: the step guard owns the group
     metadata_hook.install()
     config = VllmConfig(
-        compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()}),
+        compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()}),
         scheduler_config=SchedulerConfig(max_num_seqs=max_rows, max_num_batched_tokens=4 * max_rows,
                                          max_model_len=4 * max_rows, is_encoder_decoder=False))
     config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE

@@ -19,7 +19,7 @@ from vllm import LLM, SamplingParams
 
 from gdn_pass.checker.checkpoints import write_checkpoint
 from gdn_pass.report import load_reports
-from gdn_pass.vllm import GDNStatePass
+from gdn_pass.vllm import VllmGDNStatePass
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     # the report comes back through report_dir.
     llm = LLM(model=model, skip_tokenizer_init=True, max_model_len=256, gpu_memory_utilization=0.3,
               compilation_config={"inductor_compile_config": {
-                  "post_grad_custom_post_pass": GDNStatePass(report_dir=str(work / "reports"))}})
+                  "post_grad_custom_post_pass": VllmGDNStatePass(report_dir=str(work / "reports"))}})
 
     # Token ids in, token ids out (the tiny checkpoint has no tokenizer).
     out = llm.generate([{"prompt_token_ids": [7]}, {"prompt_token_ids": list(range(10, 18))}],

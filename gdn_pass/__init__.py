@@ -7,7 +7,7 @@ This package rewrites the compiled graph so that such reads return zeros.
     import torch, gdn_pass
     compiled = torch.compile(model, options={"post_grad_custom_post_pass": gdn_pass.GDNStatePass()})
 
-vLLM users: ``gdn_pass.vllm.GDNStatePass`` (see the README).
+vLLM users: ``gdn_pass.vllm.VllmGDNStatePass`` (see the README).
 """
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata

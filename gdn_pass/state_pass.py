@@ -61,7 +61,7 @@ class GDNStatePass(CustomGraphPass):
     """Inductor post-grad pass that guards GDN recurrent-state reads.
 
     Use as ``torch.compile(model, options={"post_grad_custom_post_pass":
-    GDNStatePass()})``. For vLLM, use ``gdn_pass.vllm.GDNStatePass``.
+    GDNStatePass()})``. For vLLM, use ``gdn_pass.vllm.VllmGDNStatePass``.
 
     Args:
         metadata: staged per-row metadata that graph-visible state reads are

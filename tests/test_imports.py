@@ -17,6 +17,7 @@
 - The core loads no module of ours by a name string: no ``import_module`` /
   ``__import__`` of one (nor of a computed name), and no string that is a
   submodule's dotted name (a table of modules to load later).
+- No two classes of the package share a name (a name says one thing).
 """
 
 from __future__ import annotations
@@ -211,3 +212,20 @@ def test_core_loads_no_module_by_name():
     known = modules()
     bad = [line for name, path in known.items() if is_core(name) for line in _loads_by_name(path, known)]
     assert not bad, bad
+
+
+def _class_names(paths) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                found.setdefault(node.name, []).append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    return found
+
+
+def test_no_two_classes_share_a_name():
+    known = modules()
+    names = _class_names(path for name, path in known.items() if within(name, "gdn_pass"))
+    assert "GDNStatePass" in names  # the analysis sees the classes
+    shared = {name: where for name, where in names.items() if len(where) > 1}
+    assert not shared, shared

@@ -108,7 +108,7 @@ def unsupported(what: str) -> UnsupportedVLLM:
     tested = ", ".join(f"{v} ({p})" for v, p in TESTED_RELEASES.items())
     return UnsupportedVLLM(
         f"gdn-pass cannot guard GDN state on vLLM {vllm_version()}: {what}. "
-        f"Tested releases: {tested}. Remove GDNStatePass from the compilation config "
+        f"Tested releases: {tested}. Remove VllmGDNStatePass from the compilation config "
         "to run this vLLM unguarded; `gdn-pass doctor` shows each state builder's checks."
     )
 

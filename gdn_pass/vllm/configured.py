@@ -4,7 +4,7 @@ The hooks ask this: the metadata hook when a state builder is made, the
 piecewise guard when vLLM splits a graph; both act only where the pass is
 configured. They recognise it by the core class (``gdn_pass.state_pass``),
 as the ``InductorPass`` that vLLM runs, and not by the vLLM class
-(``gdn_state_pass.GDNStatePass``): that one installs these hooks when it
+(``gdn_state_pass.VllmGDNStatePass``): that one installs these hooks when it
 runs, so it sits above them. The ready-made pass that ``SERVE_PASS`` names
 is published here by ``gdn_pass.vllm.serve``, the module vLLM imports to
 resolve the name.
@@ -39,7 +39,7 @@ def publish(name: str, gdn_state_pass) -> None:
 
 
 def configured_pass(compilation_config):
-    """The GDNStatePass (``gdn_pass.vllm.GDNStatePass``) in a vLLM compilation config,
+    """The ``gdn_pass.vllm.VllmGDNStatePass`` in a vLLM compilation config,
     under any supported hook, or None.
 
     ``inductor_passes`` entries (objects, or qualified names such as

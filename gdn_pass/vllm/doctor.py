@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 ENABLE = ('LLM(..., compilation_config={"inductor_compile_config": '
-          '{"post_grad_custom_post_pass": gdn_pass.vllm.GDNStatePass()}})')
+          '{"post_grad_custom_post_pass": gdn_pass.vllm.VllmGDNStatePass()}})')
 ENABLE_SERVE = ("vllm serve MODEL --compilation-config "
                 "'{\"inductor_passes\": {\"post_grad_custom_post_pass\": \"gdn_pass.vllm.serve.GDN_STATE_PASS\"}}'")
 
@@ -54,9 +54,9 @@ def _engine_config(model: str | None):
     (as ``LLM(model=MODEL)`` would make it, without loading weights), else without a model."""
     from vllm.config import CompilationConfig, VllmConfig
 
-    from gdn_pass.vllm import GDNStatePass
+    from gdn_pass.vllm import VllmGDNStatePass
 
-    compilation = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()})
+    compilation = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()})
     extra = {"gdn_prefill_backend": "triton"}  # FlashInfer's GDN prefill may be absent; the split is the same
     if model is None:
         return VllmConfig(compilation_config=compilation, additional_config=extra)

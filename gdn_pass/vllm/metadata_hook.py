@@ -384,7 +384,7 @@ def _warn_about_mode(vllm_config, configured: bool) -> None:
     if not configured:
         _warn_once(
             "unconfigured",
-            "plugin installed but GDNStatePass is not in "
+            "plugin installed but VllmGDNStatePass is not in "
             "compilation_config['inductor_compile_config']['post_grad_custom_post_pass'] "
             "(or 'joint_custom_post_pass', or compilation_config['inductor_passes'] as "
             f"{SERVE_PASS!r}); GDN state reads are not guarded"

@@ -57,7 +57,7 @@ def zero_fresh_state(layer_name: str) -> None:
                 raise GuardError(
                     f"gdn-pass: micro-batched metadata of {layer_name} was not zeroed at build "
                     "(the step guard owns every group of a micro-batched engine from its first "
-                    "build); disable dual-batch overlap or remove GDNStatePass from the config")
+                    "build); disable dual-batch overlap or remove VllmGDNStatePass from the config")
         return
     metadata = all_metadata.get(name)
     if metadata is None:
@@ -69,7 +69,7 @@ def zero_fresh_state(layer_name: str) -> None:
         raise GuardError(
             f"no staged gdn-pass rows on {type(metadata).__name__} of {layer_name}: the "
             "metadata hook stages rows only in engines whose compilation_config names "
-            "GDNStatePass (inductor_compile_config or inductor_passes) and only where "
+            "VllmGDNStatePass (inductor_compile_config or inductor_passes) and only where "
             "gdn-pass is installed (its vllm.general_plugins entry point, or "
             "gdn_pass.vllm.install() before the engine starts)"
         )

@@ -9,7 +9,7 @@ registry in ``gdn_pass.opaque_ops``, which this module fills:
 - the adapter modules whose source decides the rewrite, hashed into the
   pass's ``uuid()`` (the compiled-graph cache key).
 
-Every way in imports it: ``gdn_pass.vllm`` (and so ``gdn_pass.vllm.GDNStatePass``,
+Every way in imports it: ``gdn_pass.vllm`` (and so ``gdn_pass.vllm.VllmGDNStatePass``,
 ``gdn_pass.vllm.serve``) and the ``vllm.general_plugins`` entry point
 (``gdn_pass.vllm.plugin``). A process that runs the core pass on a vLLM graph
 without any of them gets a report naming the missing adapter.

@@ -51,7 +51,7 @@ def test_the_printed_table_names_each_builder_and_the_line_to_enable_it():
     for name in ("GDNAttentionMetadataBuilder", "BailingLinearAttentionMetadataBuilder",
                  "LinearAttentionMetadataBuilder"):
         assert name in out
-    assert '"post_grad_custom_post_pass": gdn_pass.vllm.GDNStatePass()' in out
+    assert '"post_grad_custom_post_pass": gdn_pass.vllm.VllmGDNStatePass()' in out
     assert "gdn_pass.vllm.serve.GDN_STATE_PASS" in out
 
 

@@ -29,7 +29,7 @@ import vllm.model_executor.models.bailing_moe_v3 as bailing  # registers the op
 from harness.coverage import record
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
-from gdn_pass.vllm import GDNStatePass
+from gdn_pass.vllm import VllmGDNStatePass
 from gdn_pass.vllm.guarded_ops import guarded_overload
 from gdn_pass.vllm.handoff import StepHandoff, attach
 from vllm.model_executor.layers.mamba.mamba_utils import (
@@ -144,7 +144,7 @@ def test_pass_swaps_the_op_in_a_post_grad_graph():
     g.output(node)
     GraphModule(torch.nn.Module(), g)
     gdn_pass.clear_reports()
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     swapped = [n.args[0].name() for n in g.nodes if n.target is AUTO_FUNC]
     assert swapped == ["gdn_pass::guarded_bailing_v3_kda_attention"] * 3
     (report,) = gdn_pass.reports()
@@ -162,7 +162,7 @@ def test_compiled_graph_runs_the_guard(layer):
     before = tuple(c.clone() for c in layer.kv_cache)
     gdn_pass.clear_reports()
     compiled = torch.compile(step, backend="inductor", fullgraph=True,
-                             options={"post_grad_custom_post_pass": GDNStatePass()})
+                             options={"post_grad_custom_post_pass": VllmGDNStatePass()})
     # compile for real, so that the pass runs (and reports) in this process
     with torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):

@@ -37,7 +37,7 @@ from harness.coverage import record
 from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS, schema_mismatch
-from gdn_pass.vllm import GDNStatePass, compat
+from gdn_pass.vllm import VllmGDNStatePass, compat
 from gdn_pass.vllm.guarded_ops import guarded_overload
 from gdn_pass.vllm.handoff import StepHandoff, attach, handoff_of
 from gdn_pass.vllm.builders.gdn import gdn_rows
@@ -220,7 +220,7 @@ def test_pass_swaps_the_op_in_a_post_grad_graph():
     g.output(node)
     GraphModule(torch.nn.Module(), g)
     gdn_pass.clear_reports()
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     swapped = [n.args[0].name() for n in g.nodes if n.target is AUTO_FUNC]
     assert swapped == ["gdn_pass::guarded_olmo_hybrid_gdn_full_forward"] * 3
     (report,) = gdn_pass.reports()
@@ -240,7 +240,7 @@ def test_compiled_graph_runs_the_guard():
     hidden, _ = op_inputs()
     gdn_pass.clear_reports()
     compiled = torch.compile(step, backend="inductor", fullgraph=True,
-                             options={"post_grad_custom_post_pass": GDNStatePass()})
+                             options={"post_grad_custom_post_pass": VllmGDNStatePass()})
     with override_forward_context(context_for(layer)):
         out = compiled(hidden)
     assert any(r.guarded_per_op() == {"vllm::olmo_hybrid_gdn_full_forward": 1} for r in gdn_pass.reports())

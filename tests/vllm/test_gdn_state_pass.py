@@ -13,7 +13,7 @@ from torch.fx import Graph, GraphModule
 
 import gdn_pass
 from gdn_pass import opaque_ops
-from gdn_pass.vllm import GDNStatePass
+from gdn_pass.vllm import VllmGDNStatePass
 from vllm.model_executor.layers.mamba.ops.cpu.gdn_attention import register_cpu_gdn_attention_ops
 
 register_cpu_gdn_attention_ops()
@@ -53,7 +53,7 @@ def targets(g: Graph) -> list[str]:
 def test_every_core_op_swapped_once(wrapped):
     g = gdn_graph(3, wrapped=wrapped)
     gdn_pass.clear_reports()
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     assert targets(g) == ["gdn_pass::guarded_cpu_gdn_attention_core"] * 3
     (report,) = gdn_pass.reports()
     assert report.guarded_per_op() == {"vllm::cpu_gdn_attention_core": 3}
@@ -63,7 +63,7 @@ def test_every_core_op_swapped_once(wrapped):
 
 def test_guarded_op_has_the_original_schema():
     g = gdn_graph(1)
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     guarded = torch.ops.gdn_pass.guarded_cpu_gdn_attention_core.default
     original, guarded_schema = CPU_CORE._schema, guarded._schema
     assert [(a.name, str(a.type), a.is_write) for a in guarded_schema.arguments] == [
@@ -74,10 +74,10 @@ def test_guarded_op_has_the_original_schema():
 
 def test_pass_is_idempotent():
     g = gdn_graph(2)
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     after_first = str(g)
     gdn_pass.clear_reports()
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     assert str(g) == after_first
     (report,) = gdn_pass.reports()
     assert [r.action for r in report.reads] == ["already_guarded"] * 2
@@ -87,7 +87,7 @@ def test_pass_is_idempotent():
 def test_disabled_option_leaves_graph(caplog):
     g = gdn_graph(1)
     before = str(g)
-    GDNStatePass(guard_opaque_ops=False)(g)
+    VllmGDNStatePass(guard_opaque_ops=False)(g)
     assert str(g) == before
 
 
@@ -101,7 +101,7 @@ def test_changed_schema_is_left_alone_and_reported(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="gdn_pass"):
         logging.getLogger("gdn_pass").propagate = True
         try:
-            GDNStatePass()(g)
+            VllmGDNStatePass()(g)
         finally:
             logging.getLogger("gdn_pass").propagate = False
     assert str(g) == before
@@ -119,7 +119,7 @@ def test_unknown_gdn_looking_op_is_reported():
     g.call_function(op, (out, "model.layers.0.linear_attn"))
     g.output(out)
     gdn_pass.clear_reports()
-    GDNStatePass()(g)
+    VllmGDNStatePass()(g)
     (read,) = gdn_pass.reports()[0].reads
     assert read.action == "left_alone" and read.op == "vllm::gdn_pass_test_future_gdn_core"
     assert "unknown op" in read.reason
@@ -131,7 +131,7 @@ def test_unknown_gdn_looking_op_is_reported():
 def test_the_core_pass_treats_vllm_ops_as_the_vllm_pass_does_once_the_adapter_is_imported():
     # The core class knows the ops through the registry: guarded, or stood down on 0.31+ CPU.
     done = []
-    for pass_ in (GDNStatePass(), gdn_pass.GDNStatePass()):
+    for pass_ in (VllmGDNStatePass(), gdn_pass.GDNStatePass()):
         g = gdn_graph(2)
         gdn_pass.clear_reports()
         pass_(g)
@@ -182,8 +182,33 @@ def test_uuid_follows_the_adapters_source(module, monkeypatch):
     from gdn_pass import state_pass
 
     changed = importlib.import_module(f"gdn_pass.vllm.{module}")
-    before = GDNStatePass().uuid()
+    before = VllmGDNStatePass().uuid()
     getsource = inspect.getsource
     monkeypatch.setattr(state_pass.inspect, "getsource",
                         lambda m: getsource(m) + ("# edited" if m is changed else ""))
-    assert GDNStatePass().uuid() != before
+    assert VllmGDNStatePass().uuid() != before
+
+
+# --- the vLLM form of the pass: its names --------------------------------------------------
+
+
+def test_the_earlier_name_still_gives_the_vllm_pass_and_loads_its_pickles():
+    """``gdn_pass.vllm.GDNStatePass`` (this class's name before it became ``VllmGDNStatePass``)
+    still works in configs, and a pickle that names it (an engine's config written then) loads
+    as the vLLM pass with the same key."""
+    import pickle
+
+    import gdn_pass.vllm
+    from gdn_pass.vllm import gdn_state_pass
+
+    assert gdn_pass.vllm.GDNStatePass is VllmGDNStatePass
+    assert gdn_pass.vllm.GDNStatePass is not gdn_pass.GDNStatePass
+    VllmGDNStatePass.__qualname__ = "GDNStatePass"  # as it was named: pickles store the qualified name
+    try:
+        old = pickle.dumps(VllmGDNStatePass())
+    finally:
+        VllmGDNStatePass.__qualname__ = "VllmGDNStatePass"
+    assert b"gdn_pass.vllm.gdn_state_pass" in old and b"VllmGDNStatePass" not in old
+    loaded = pickle.loads(old)
+    assert type(loaded) is gdn_state_pass.VllmGDNStatePass
+    assert loaded.uuid() == VllmGDNStatePass().uuid()

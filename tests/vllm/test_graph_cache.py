@@ -15,7 +15,7 @@ from torch._inductor.utils import fresh_cache
 import vllm.forward_context
 from gdn_pass import opaque_ops
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import GDNStatePass
+from gdn_pass.vllm import VllmGDNStatePass
 from gdn_pass.vllm.handoff import StepHandoff, attach
 
 OP = "vllm::gdn_pass_cache_test_core"
@@ -67,15 +67,15 @@ def test_cache_hit_carries_the_guard_and_option_change_misses(stale_slot_context
     guarded, unguarded = torch.full((3,), 3.0), torch.full((3,), 3.0 + 15.0)
     with fresh_cache():
         counters.clear()
-        torch.testing.assert_close(compile_and_run(GDNStatePass(), stale_slot_context), guarded)
+        torch.testing.assert_close(compile_and_run(VllmGDNStatePass(), stale_slot_context), guarded)
         assert counters["inductor"]["fxgraph_cache_miss"] == 1
 
         counters.clear()
-        torch.testing.assert_close(compile_and_run(GDNStatePass(), stale_slot_context), guarded)
+        torch.testing.assert_close(compile_and_run(VllmGDNStatePass(), stale_slot_context), guarded)
         assert counters["inductor"]["fxgraph_cache_hit"] == 1, dict(counters["inductor"])
 
         counters.clear()
-        torch.testing.assert_close(compile_and_run(GDNStatePass(guard_opaque_ops=False), stale_slot_context), unguarded)
+        torch.testing.assert_close(compile_and_run(VllmGDNStatePass(guard_opaque_ops=False), stale_slot_context), unguarded)
         assert counters["inductor"]["fxgraph_cache_hit"] == 0, dict(counters["inductor"])
 
 
@@ -83,8 +83,8 @@ def test_pass_with_live_metadata_is_not_cached(stale_slot_context):
     rows = StagedRowMetadata(4)
     with fresh_cache():
         counters.clear()
-        compile_and_run(GDNStatePass(rows), stale_slot_context)
-        compile_and_run(GDNStatePass(rows), stale_slot_context)
+        compile_and_run(VllmGDNStatePass(rows), stale_slot_context)
+        compile_and_run(VllmGDNStatePass(rows), stale_slot_context)
         assert counters["inductor"]["fxgraph_cache_hit"] == 0
         assert counters["inductor"]["fxgraph_cache_bypass"] >= 1, dict(counters["inductor"])
 
@@ -98,6 +98,6 @@ def test_pass_also_guards_as_a_joint_graph_pass(stale_slot_context):
     stale_slot_context.kv_cache[1][SLOT] = 5.0
     torch._dynamo.reset()
     gdn_pass.clear_reports()
-    compiled = torch.compile(model, options={"joint_custom_post_pass": GDNStatePass()})
+    compiled = torch.compile(model, options={"joint_custom_post_pass": VllmGDNStatePass()})
     torch.testing.assert_close(compiled(torch.ones(3)), torch.full((3,), 3.0))
     assert [r.action for rep in gdn_pass.reports() for r in rep.reads] == ["guarded_op"]

@@ -173,7 +173,7 @@ LAYERS = ["model.layers.0.linear_attn", "model.layers.1.linear_attn"]
 def vllm_config(*, configured: bool, by_name: bool = False):
     from vllm.config import CompilationConfig, VllmConfig
 
-    from gdn_pass.vllm import GDNStatePass
+    from gdn_pass.vllm import VllmGDNStatePass
 
     if not configured:
         cc = CompilationConfig()
@@ -182,7 +182,7 @@ def vllm_config(*, configured: bool, by_name: bool = False):
 
         cc = CompilationConfig(inductor_passes={"post_grad_custom_post_pass": SERVE_PASS})
     else:
-        cc = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()})
+        cc = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()})
     return VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
 
 
@@ -265,7 +265,7 @@ def test_configured_engine_with_an_unsupported_layout_stops_at_start(monkeypatch
     message = str(error.value)
     assert f"vLLM {compat.vllm_version()}" in message
     assert "GDNAttentionMetadata.non_spec_state_indices_tensor" in message
-    assert "Remove GDNStatePass" in message
+    assert "Remove VllmGDNStatePass" in message
     # The same vLLM without the pass configured starts.
     new_builder(vllm_config(configured=False), like_0_26=True, monkeypatch=monkeypatch)
 

@@ -110,9 +110,9 @@ def engine_config(cache_mode: str, num_spec: int):
     """A configured engine's VllmConfig: mamba cache mode, speculative tokens."""
     from vllm.config import CacheConfig, CompilationConfig, VllmConfig
 
-    from gdn_pass.vllm import GDNStatePass
+    from gdn_pass.vllm import VllmGDNStatePass
 
-    cc = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()})
+    cc = CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()})
     cache = CacheConfig(enable_prefix_caching=cache_mode == "align", mamba_cache_mode=cache_mode)
     config = VllmConfig(compilation_config=cc, cache_config=cache,
                         additional_config={"gdn_prefill_backend": "triton"})

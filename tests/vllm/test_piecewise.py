@@ -22,7 +22,7 @@ from torch import nn
 import gdn_pass
 from gdn_pass import opaque_ops
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import GDNStatePass, install
+from gdn_pass.vllm import VllmGDNStatePass, install
 from gdn_pass.vllm.handoff import StepHandoff, attach
 from vllm.compilation.decorators import support_torch_compile
 from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, VllmConfig, set_current_vllm_config
@@ -62,7 +62,7 @@ class TinyGDNModel(nn.Module):
 
 def piecewise_config(guard: bool, *, splitting_ops=(OP,), graph_partition=False,
                      backend="eager") -> VllmConfig:
-    inductor = {"post_grad_custom_post_pass": GDNStatePass()} if guard else {}
+    inductor = {"post_grad_custom_post_pass": VllmGDNStatePass()} if guard else {}
     config = VllmConfig(compilation_config=CompilationConfig(
         splitting_ops=list(splitting_ops), use_inductor_graph_partition=graph_partition,
         cudagraph_mode=CUDAGraphMode.NONE, inductor_compile_config=inductor))

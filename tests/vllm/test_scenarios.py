@@ -4,7 +4,7 @@ import pytest
 
 import vllm
 from gdn_pass.vllm.checker.scenarios import make_llm
-from gdn_pass.vllm import GDNStatePass
+from gdn_pass.vllm import VllmGDNStatePass
 from gdn_pass.vllm.gdn_state_pass import SERVE_PASS
 
 
@@ -23,7 +23,7 @@ def test_a_callers_compilation_config_joins_the_pass_instead_of_replacing_it(eng
     cc = engine_kwargs["compilation_config"]
     assert cc["cudagraph_capture_sizes"] == [1, 2]
     assert cc["inductor_compile_config"]["dce"] is True
-    assert isinstance(cc["inductor_compile_config"]["post_grad_custom_post_pass"], GDNStatePass)
+    assert isinstance(cc["inductor_compile_config"]["post_grad_custom_post_pass"], VllmGDNStatePass)
 
 
 def test_pass_by_name_keeps_a_callers_compilation_config_too(engine_kwargs, qwen3_next_checkpoint):

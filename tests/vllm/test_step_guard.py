@@ -70,7 +70,7 @@ def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    from gdn_pass.vllm import GDNStatePass, metadata_hook, support
+    from gdn_pass.vllm import VllmGDNStatePass, metadata_hook, support
     from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn
 
     monkeypatch.setattr(support, "reroute_holds", lambda vllm_config: None)
@@ -79,7 +79,7 @@ def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names
                         lambda cfg: ("triton", "triton"), raising=False)
     metadata_hook.install()
     cc = CompilationConfig(mode=3 if compiled else 0,
-                           inductor_compile_config={"post_grad_custom_post_pass": GDNStatePass()})
+                           inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()})
     config = VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
     layers = {name: new_layer(name) for name in layer_names}
     config.compilation_config.static_forward_context.update(layers)

@@ -109,10 +109,10 @@ def make_llm(model: str, *, guard: bool, compile: bool = True, report_dir: str |
             os.environ["GDN_PASS_REPORT_DIR"] = report_dir
         compilation_config["inductor_passes"] = {**compilation_config.get("inductor_passes", {}), pass_hook: SERVE_PASS}
     elif guard:
-        from gdn_pass.vllm import GDNStatePass
+        from gdn_pass.vllm import VllmGDNStatePass
 
         compilation_config["inductor_compile_config"] = {
-            **compilation_config.get("inductor_compile_config", {}), pass_hook: GDNStatePass(report_dir=report_dir)}
+            **compilation_config.get("inductor_compile_config", {}), pass_hook: VllmGDNStatePass(report_dir=report_dir)}
     engine_args = dict(
         model=model,
         skip_tokenizer_init=True,
