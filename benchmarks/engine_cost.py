@@ -142,7 +142,7 @@ class HookClock:
 
     def __init__(self, detail: bool = False):
         from gdn_pass.metadata import StagedRowMetadata
-        from gdn_pass.vllm import compat, metadata_hook, rows, step_guard
+        from gdn_pass.vllm import builders, compat, metadata_hook, rows, step_guard
 
         self.seconds = 0.0
         self.calls: list[float] = []
@@ -155,7 +155,7 @@ class HookClock:
                       (metadata_hook, "_group_state", "_group_state"),
                       (step_guard, "zero_group", "zero_group"),
                       (compat, "step_inputs", "step_inputs"),
-                      (metadata_hook, "_device_rows", "decode_rows")]
+                      (builders.StateBuilder, "decode_rows", "decode_rows")]
         for owner, name, label in timed:
             setattr(owner, name, self._timed(getattr(owner, name), label))
 

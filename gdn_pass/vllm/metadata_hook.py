@@ -44,7 +44,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
-from gdn_pass.vllm.rows import DecodeRows, has_new_rows
+from gdn_pass.vllm.rows import has_new_rows
 
 __all__ = ["BuilderState", "state_of", "install", "is_installed"]
 
@@ -222,14 +222,7 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         state.idle = StepHandoff(rows, 0, None, None, owner is _STEP,
                                  in_capture=functools.partial(_capture_handoff, state))
     step_owned = owner is _STEP
-    step = state.entry.rows(common, metadata, draft_counts)
-    fresh = step.fresh
-    decode = _device_rows(state, table, common, metadata)
-    if decode is None:  # else the zeroing launch finds the new rows in vLLM's tensors
-        if fresh:  # only what the guards read: the rows to zero and their slots
-            step.stage_fresh(rows)
-        else:  # nothing to zero: no new row (a first build), or all on the prefill path
-            rows.stage_no_fresh(step.num_rows)
+    fresh, decode = state.entry.stage_step(rows, common, metadata, draft_counts, on_device=table is not None)
     handoff = StepHandoff(rows, fresh, table, decode, step_owned)
     if step_owned:
         step_guard.zero_group(caches, handoff)
@@ -242,19 +235,8 @@ def _capture_handoff(state: BuilderState, metadata) -> StepHandoff:
     rows, from vLLM's decode rows where the entry reads them (its persistent buffers then), else
     from the staged rows. The group's table was made at build, outside the capture."""
     table, rows = state.table, state.rows
-    decode = _device_rows(state, table, state.common, metadata)
+    decode = None if table is None else state.entry.decode_rows(state.common, metadata, rows.max_rows)
     return StepHandoff(rows, 0, table, decode, state.owner is _STEP)
-
-
-def _device_rows(state: BuilderState, table: CacheTable | None, common, metadata) -> DecodeRows | None:
-    """The step's decode rows in vLLM's own tensors (CUDA, where the entry reads them and they fit)."""
-    device_rows = state.entry.device_rows
-    if table is None or device_rows is None:
-        return None
-    decode = device_rows(common, metadata)
-    if decode is not None and decode.num_rows > state.rows.max_rows:
-        return None
-    return decode
 
 
 def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args, kwargs) -> None:

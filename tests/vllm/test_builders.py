@@ -184,3 +184,48 @@ def test_installing_the_plugin_imports_no_module_vllm_would_not_import_itself():
             "or (m.startswith('vllm.') and 'kimi_k3' in m)); print(new)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "[]", out
+
+
+# --- one step, staged through the entry (StateBuilder.stage_step) -------------------------
+
+
+def _entry_with(host_rows, decode_rows):
+    return dataclasses.replace(builders.GDN, rows=lambda common, metadata, draft_counts: host_rows,
+                               device_rows=lambda common, metadata: decode_rows)
+
+
+def test_a_step_is_staged_on_the_host_unless_one_launch_reads_vllms_decode_rows():
+    """The rows to zero and their slots are staged where the group has no CUDA table; where it has
+    one and vLLM's tensors say the decode rows, nothing is staged: the launch finds them."""
+    import numpy as np
+
+    from gdn_pass.metadata import StagedRowMetadata
+    from gdn_pass.vllm.rows import DecodeRows, HostRows
+
+    host = HostRows.counted(np.array([1, 1, 4]), np.array([0, 5, 0]), [torch.tensor([7, 8, 9])], (2, 3),
+                            np.array([True, False, True]))  # row 2 is new but on the prefill path
+    decode = DecodeRows(torch.tensor([7, 8]), torch.tensor([0, 1, 2]), torch.tensor([1, 6]), 2)
+    entry = _entry_with(host, decode)
+    staged = StagedRowMetadata(4, device="cpu", pad_slot_ids=(-1,))
+    assert entry.stage_step(staged, None, None, None, on_device=False) == (1, None)
+    assert staged.fresh_rows().tolist() == [True, False, False, False]
+    assert staged.state_slot[:3].tolist() == [7, 8, 9]
+    staged.stage_no_fresh(3)
+    assert entry.stage_step(staged, None, None, None, on_device=True) == (1, decode)
+    assert not staged.fresh_rows().any(), "staged where the launch reads vLLM's decode rows"
+    none_new = HostRows.counted(np.array([1]), np.array([5]), [torch.tensor([7])], (1, 1), np.array([False]))
+    staged.stage_fresh(fresh_rows=np.array([True]), state_slots=torch.tensor([3]))
+    assert _entry_with(none_new, None).stage_step(staged, None, None, None, on_device=True) == (0, None)
+    assert not staged.fresh_rows().any(), "a step's rows to zero left from the step before"
+
+
+def test_decode_rows_more_than_the_staged_buffers_hold_are_left_to_the_host():
+    from gdn_pass.vllm.rows import DecodeRows
+
+    decode = DecodeRows(torch.zeros(4), torch.zeros(5), torch.zeros(4), 4)
+    entry = _entry_with(None, decode)
+    assert entry.decode_rows(None, None, max_rows=4) is decode
+    assert entry.decode_rows(None, None, max_rows=3) is None
+    assert dataclasses.replace(entry, device_rows=None).decode_rows(None, None, max_rows=8) is None
+    assert _entry_with(None, None).decode_rows(None, None, max_rows=8) is None
+

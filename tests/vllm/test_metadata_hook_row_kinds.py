@@ -369,7 +369,7 @@ def check_step(reqs, cache_mode, metadata, rows, full, caches):
     assert zeroed_slots(caches) == [fresh] * len(caches)
     # On CUDA steps without speculative rows the zeroing launch finds the rows in
     # vLLM's own tensors instead (rows.DecodeRows): they name the same slots.
-    decode = gdn.decode_rows(metadata.test_common, metadata)
+    decode = gdn.gdn_decode_rows(metadata.test_common, metadata)
     if any(r.drafts >= 0 for r in reqs):
         assert decode is None
     else:

@@ -150,13 +150,13 @@ def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
                     non_spec_query_start_loc=torch.tensor([0, 1, 2, 2], dtype=torch.int32))
         return SimpleNamespace(**{**base, **fields})
 
-    found = gdn.decode_rows(common, metadata())
+    found = gdn.gdn_decode_rows(common, metadata())
     assert found is not None and found.num_rows == 2 and found.slots.tolist() == [4, 6, 0]
-    assert gdn.decode_rows(common, metadata(spec_sequence_masks=torch.tensor([True, False, False]))) is None
-    assert gdn.decode_rows(common, metadata(non_spec_state_indices_tensor=None)) is None
-    assert gdn.decode_rows(common, metadata(num_decodes=4)) is None  # more rows than lengths
-    assert gdn.decode_rows(SimpleNamespace(), metadata()) is None
-    assert gdn.decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(2, dtype=torch.int32))) is None
+    assert gdn.gdn_decode_rows(common, metadata(spec_sequence_masks=torch.tensor([True, False, False]))) is None
+    assert gdn.gdn_decode_rows(common, metadata(non_spec_state_indices_tensor=None)) is None
+    assert gdn.gdn_decode_rows(common, metadata(num_decodes=4)) is None  # more rows than lengths
+    assert gdn.gdn_decode_rows(SimpleNamespace(), metadata()) is None
+    assert gdn.gdn_decode_rows(common, metadata(non_spec_query_start_loc=torch.zeros(2, dtype=torch.int32))) is None
 
 
 def _reference(tensor: torch.Tensor, num_reqs: int) -> list[int]:

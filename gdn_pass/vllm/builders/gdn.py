@@ -26,7 +26,7 @@ from gdn_pass.vllm import compat
 from gdn_pass.vllm.builders.state_builder import StateBuilder
 from gdn_pass.vllm.rows import DecodeRows, HostRows, fitting_decode_rows, scheduler_rows, slot_count_error
 
-__all__ = ["ENTRY", "METADATA_FIELDS", "decode_rows", "gdn_rows"]
+__all__ = ["ENTRY", "METADATA_FIELDS", "gdn_decode_rows", "gdn_rows"]
 
 # What ``gdn_rows`` reads of ``GDNAttentionMetadata`` (checked at engine start); Kimi-K3's builder
 # makes the same metadata.
@@ -35,7 +35,7 @@ METADATA_FIELDS = ("non_spec_state_indices_tensor", "spec_sequence_masks", "num_
 
 @functools.cache
 def _decode_fields_exist() -> bool:
-    """Do this release's metadata classes have every field ``decode_rows`` reads? (Asked once.)"""
+    """Do this release's metadata classes have every field ``gdn_decode_rows`` reads? (Asked once.)"""
     from vllm.v1.attention import backend
     from vllm.v1.attention.backends import gdn_attn
 
@@ -44,7 +44,7 @@ def _decode_fields_exist() -> bool:
             and "seq_lens" in compat.fields_of(backend.CommonAttentionMetadata))
 
 
-def decode_rows(common, metadata) -> DecodeRows | None:
+def gdn_decode_rows(common, metadata) -> DecodeRows | None:
     """GDN: the step's ``DecodeRows``, or None where they cannot say which rows are new.
 
     ``slots`` is ``non_spec_state_indices_tensor``, ``query_start_loc`` its
@@ -117,7 +117,7 @@ ENTRY = StateBuilder(
             "and their MTP variants"),
     state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
     rows=gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
-    metadata_fields=METADATA_FIELDS, state_layout="conv + recurrent", device_rows=decode_rows,
+    metadata_fields=METADATA_FIELDS, state_layout="conv + recurrent", device_rows=gdn_decode_rows,
     architectures=("Qwen3NextForCausalLM", "Qwen3NextMTP", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                    "OlmoHybridForCausalLM", "InternS2MobiusForConditionalGeneration", "BailingMoeV3ForCausalLM",

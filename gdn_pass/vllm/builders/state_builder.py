@@ -10,11 +10,16 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from gdn_pass._logging import logger
 from gdn_pass.vllm import compat
+
+if TYPE_CHECKING:
+    from gdn_pass.metadata import StagedRowMetadata
+    from gdn_pass.vllm.rows import DecodeRows
 
 __all__ = ["HOOK_MARK", "StateBuilder", "unhooked_build"]
 
@@ -59,6 +64,33 @@ class StateBuilder:
     # Imported by the plugin at engine start. False: hooked when vLLM itself first
     # makes one (a subclass of a hooked builder), never imported by gdn-pass.
     eager: bool = True
+
+    def stage_step(self, staged: StagedRowMetadata, common, metadata, draft_counts, *,
+                   on_device: bool) -> tuple[int, DecodeRows | None]:
+        """Stage one step's rows to zero for the guards; return the host's count of them and the
+        step's decode rows where the zeroing launch finds them itself (else None).
+
+        ``staged``: the builder's persistent buffers; ``on_device``: the group's caches have a
+        CUDA table, so one launch can read vLLM's own tensors (``decode_rows``), and then nothing
+        is staged. Otherwise only what the guards read: the rows to zero and their slots, or
+        nothing to zero (no new row, or all of them on the prefill path).
+        """
+        step = self.rows(common, metadata, draft_counts)
+        decode = self.decode_rows(common, metadata, staged.max_rows) if on_device else None
+        if decode is None:
+            if step.fresh:
+                step.stage_fresh(staged)
+            else:
+                staged.stage_no_fresh(step.num_rows)
+        return step.fresh, decode
+
+    def decode_rows(self, common, metadata, max_rows: int) -> DecodeRows | None:
+        """The step's decode rows in vLLM's own device tensors (``device_rows``), or None where this
+        entry does not read them there or they are more than the staged buffers hold (``max_rows``)."""
+        if self.device_rows is None:
+            return None
+        decode = self.device_rows(common, metadata)
+        return None if decode is None or decode.num_rows > max_rows else decode
 
     def builder_class(self) -> type | None:
         """The installed vLLM's class, or None where this release has no such builder."""
