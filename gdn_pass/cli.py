@@ -14,7 +14,6 @@ local vLLM model folder (a directory with config.json).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys

@@ -3,8 +3,6 @@
 import subprocess
 import sys
 
-import pytest
-
 from gdn_pass.cli import main
 
 

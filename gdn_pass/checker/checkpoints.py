@@ -117,7 +117,7 @@ def qwen3_next_layer(p: str, kind: str, c: dict) -> Iterator[tuple[str, tuple[in
 
 
 def _llama_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    h, inter = c["hidden_size"], c["intermediate_size"]
     heads, kv_heads, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     yield from embedding_and_head_tensors(c)
     for i in range(c["num_hidden_layers"]):

@@ -150,7 +150,7 @@ def _is_linear(layer: int, c: dict) -> bool:
 
 
 def _bailing_moe_v2_5_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, v = c["hidden_size"], c["vocab_size"]
+    h = c["hidden_size"]
     yield from embedding_and_head_tensors(c, "model.word_embeddings.weight")
     heads, hd = c["num_attention_heads"], c["head_dim"]
     inner = heads * hd

@@ -61,7 +61,7 @@ OLMO_HYBRID_CONFIG = {
 
 
 def _olmo_hybrid_tensors(c: dict) -> Iterator[tuple[str, tuple[int, ...]]]:
-    h, v, inter = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
+    h, inter = c["hidden_size"], c["intermediate_size"]
     yield from embedding_and_head_tensors(c)
     heads, kv_heads = c["num_attention_heads"], c["num_key_value_heads"]
     hd = h // heads

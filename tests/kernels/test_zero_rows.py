@@ -26,7 +26,7 @@ from tests.vllm.cuda_zeroing import cpu_table
 pytest.importorskip("triton")
 
 from gdn_pass.kernels import zero_rows  # noqa: E402
-from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_rows_all  # noqa: E402
+from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows_all  # noqa: E402
 
 NUM_SLOTS = 40
 RECURRENT_WORDS = 700  # 11 chunks of 64 words, the last one ragged

@@ -18,7 +18,7 @@ import torch
 
 from gdn_pass.vllm import builders, compat, metadata_hook, step_guard, support
 from gdn_pass.vllm.handoff import handoff_of
-from tests.vllm.test_metadata_hook import bind_poisoned_caches, bug_step, new_builder, step_of, vllm_config, zeroed
+from tests.vllm.test_metadata_hook import bind_poisoned_caches, new_builder, step_of, vllm_config, zeroed
 
 REROUTES = compat.version_tuple() >= (0, 31)
 

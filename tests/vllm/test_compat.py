@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 
-import numpy as np
 import pytest
 import torch
 
