@@ -38,11 +38,23 @@ class GuardError(RuntimeError):
     pass
 
 
+# vllm.forward_context, imported at the first call (importing this module imports no vLLM); an
+# import statement in the function would run again on every call of every guarded op.
+_vllm_forward_context = None
+# Whether this torch has CUDA, asked once (every call of a step without fresh rows asks _capturing).
+_has_cuda: list[bool] = []
+
+
 def zero_fresh_state(layer_name: str) -> None:
-    from vllm.forward_context import get_forward_context
+    global _vllm_forward_context
 
     note_guarded_layer(layer_name)  # first in vLLM's profiling / warm-up forward
-    context = get_forward_context()
+    forward_context = _vllm_forward_context
+    if forward_context is None:
+        from vllm import forward_context
+
+        _vllm_forward_context = forward_context
+    context = forward_context.get_forward_context()
     all_metadata = context.attn_metadata
     if all_metadata is None:  # profiling / dummy run: the op itself does nothing
         return
@@ -92,4 +104,6 @@ def zero_fresh_state(layer_name: str) -> None:
 
 
 def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    if not _has_cuda:
+        _has_cuda.append(torch.cuda.is_available())
+    return _has_cuda[0] and torch.cuda.is_current_stream_capturing()

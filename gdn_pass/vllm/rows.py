@@ -85,17 +85,6 @@ def host_array(tensor: torch.Tensor, num_reqs: int) -> np.ndarray:
     return array[:num_reqs]
 
 
-def new_row_length_bound(common, field: str) -> int:
-    """The most ``field`` of ``host_lengths`` can hold for a new row of ``common``'s step.
-
-    A new row has no token computed: its sequence length is its query length,
-    at most the step's ``max_query_len`` (which vLLM's own decode/prefill split
-    trusts as the bound, 0.26-0.33); its computed count is 0. So every row whose
-    host length exceeds this bound is not new.
-    """
-    return 0 if field == _COMPUTED_FIELD else common.max_query_len
-
-
 def num_computed_tokens(common, query_lens: np.ndarray, lengths: tuple[torch.Tensor | None, str | None]) -> np.ndarray:
     """Tokens computed before this step, per row, on the host, without a device sync where possible.
 
@@ -245,9 +234,10 @@ def _step_key(common, starts_cpu: torch.Tensor, tensor: torch.Tensor, field: str
     the tensors keep no version counter (inference tensors: vLLM 0.34's V2 runner makes its host
     tensors under ``inference_mode``). Without a key nothing is reused across builds: an in-place
     refill of the same tensors could not be told from the step before."""
-    if starts_cpu.is_inference() or tensor.is_inference():
+    try:
+        return (starts_cpu, starts_cpu._version, tensor, field, tensor._version, common.num_reqs)
+    except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
         return None
-    return (starts_cpu, starts_cpu._version, tensor, field, tensor._version, common.num_reqs)
 
 
 def has_new_rows(common) -> bool:
@@ -255,22 +245,27 @@ def has_new_rows(common) -> bool:
 
     Most steps of a serving engine have none, and most of those are proven so by
     one reduction over the host lengths: every row's length exceeds what a new
-    row's can be (``new_row_length_bound``); two more where a FULL CUDA
+    row's can be (the bound below); two more where a FULL CUDA
     graph's padding rows follow the real ones. Only other steps compute the
     step's ``SchedulerRows`` (which builders with new rows read anyway). Same
     answer as ``scheduler_rows(common).num_new != 0`` on every step.
     """
     starts_cpu = common.query_start_loc_cpu
-    if _is_step(_last_idle_key[0], common, starts_cpu):  # most builds: a later group of an idle step
-        return False
+    # The identity tests first, inline: on a step's first build both fail at once.
+    key = _last_idle_key[0]
+    if key is not None and key[0] is starts_cpu and _is_step(key, common, starts_cpu):
+        return False  # most builds: a later group of a step without new rows
     last = _last_step[0]
-    if last is not None and _is_step(last.key, common, starts_cpu):
+    if last is not None and last.key and last.key[0] is starts_cpu and _is_step(last.key, common, starts_cpu):
         return last.num_new != 0
     tensor, field = host_lengths(common)
     if tensor is not None:
         num_reqs = common.num_reqs
         lengths = host_array(tensor, num_reqs)
-        bound = new_row_length_bound(common, field)
+        # The most a new row's host length can be: it has no token computed, so its sequence length
+        # is its query length, at most the step's max_query_len (the bound vLLM's own split trusts,
+        # 0.26-0.34); its computed count is 0. A row whose length exceeds it is not new.
+        bound = 0 if field == _COMPUTED_FIELD else common.max_query_len
         # argmin, not min: numpy's reductions cost about 1.5 us of per-call overhead, argmin 0.3 us
         least = lengths.argmin() if num_reqs else None
         if least is not None and lengths[least] == 0 and bound > 0:  # bound > 0: sequence lengths
