@@ -10,14 +10,23 @@ CUDA graphs. Off: every registered builder's ``build`` is vLLM's own (the
 hook's wrapper taken off the class) and the op guard finds no hand-off, as
 where its entry stood down, and returns. Reported per case: the median step
 of each window, and the ratio on/off of each adjacent pair, as its median
-with the quartiles and extremes, over ``--pairs`` pairs.
+with a distribution-free 95% confidence interval of that median (the
+resolution the run reached), the quartiles and extremes, over ``--pairs``
+pairs; and the same ratio of the engine thread's own CPU time per step.
 
-What it measures: the hook's host work and the step guard's zeroing launches
-(both on the engine's thread, before the forward). What it does not: the op
-guard's zeroing kernels, which a FULL CUDA graph captured with the guard on
-replays in both states (``engine_cost.py`` and ``step_guard_overhead.py``
-measure the device side). Fresh rows read stale state in the off windows:
-the outputs there are not checked, only timed.
+What it measures: the whole step, as wall time and as the engine thread's
+own CPU time, and, timed where they run (``HostClock``), the hook's host
+work per step: the builders' ``build`` with the hook on minus without it,
+plus the op guard's calls, each as the median of a window, differenced per
+pair. That last one is the resolved figure: it does not carry the step's
+noise. It includes what the hook's code costs in the engine, where the
+model's forward between two steps has evicted it from the CPU's caches (on
+this project's CPU host 3-4 times the warm loop of ``hook_host_time.py``).
+What it does not measure: the op guard's zeroing kernels, which a FULL CUDA
+graph captured with the guard on replays in both states (``engine_cost.py``
+and ``step_guard_overhead.py`` measure the device side). Fresh rows read
+stale state in the off windows: the outputs there are not checked, only
+timed.
 
     # GPU (an engine on the H200; vLLM 0.26 bundle or the 0.34 stack)
     python benchmarks/engine_ab.py --dims qwen3-next-80b --layers 12 --gpu --out $OUT
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import random
 import statistics
@@ -40,6 +50,36 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.engine_cost import DIMS, _params, write_model  # noqa: E402
+
+
+class HostClock:
+    """Seconds the engine's thread spends in the state builders' ``build`` (vLLM's own, and the
+    hook's wrapper around it where on) and in the op guard (each guarded op's call; where off, it
+    returns at once), summed since ``take()``. The clock's own cost is the same in both states."""
+
+    def __init__(self):
+        self.seconds = {"builds": 0.0, "op_guard": 0.0}
+
+    def timed(self, fn, what: str):
+        seconds, clock = self.seconds, time.perf_counter
+
+        def timed(*args, **kwargs):
+            began = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[what] += clock() - began
+
+        timed.__wrapped__ = getattr(fn, "__wrapped__", fn)
+        # Marked as the hook's, so that an install() during the run (a recompile) wraps nothing more.
+        setattr(timed, "__gdn_pass_wrapped__", True)
+        return timed
+
+    def take(self) -> tuple[float, float]:
+        """(builds, op guard) seconds since the last take."""
+        taken = self.seconds["builds"], self.seconds["op_guard"]
+        self.seconds["builds"] = self.seconds["op_guard"] = 0.0
+        return taken
 
 
 class HookSwitch:
@@ -54,12 +94,17 @@ class HookSwitch:
             raise RuntimeError("no builder class carries gdn-pass's hook in this process")
         self.on = True
         self._added: set[str] = set()  # the entries marked stood down while off
+        self.clock = HostClock()
+        from gdn_pass.vllm import guarded_ops
+
+        # Every guarded op calls the op guard through this module attribute.
+        guarded_ops.zero_fresh_state = self.clock.timed(guarded_ops.zero_fresh_state, "op_guard")
 
     def set(self, on: bool) -> None:
         from gdn_pass.vllm import support
 
         for cls, hooked in self.hooked.items():
-            cls.build = hooked if on else hooked.__wrapped__
+            cls.build = self.clock.timed(hooked if on else hooked.__wrapped__, "builds")
         # Off: a guarded op without a hand-off returns, as for an entry that stood down.
         stood_down = support._STOOD_DOWN
         if on:
@@ -70,17 +115,40 @@ class HookSwitch:
         self.on = on
 
 
-def window(engine, rng, fresh: int, steps: int) -> float:
-    """The median seconds of ``steps`` engine steps, ``fresh`` brand-new one-token requests each."""
-    times = []
+def window(engine, rng, fresh: int, steps: int, clock: HostClock) -> tuple[float, float, float, float]:
+    """The median seconds of ``steps`` engine steps, ``fresh`` brand-new one-token requests each:
+    wall time; the engine thread's own CPU time (``time.thread_time``: not the time the thread
+    was preempted by other work of a shared host; on CUDA it includes a synchronising wait where
+    the driver spins); and of it, the builds' and the op guard's (``HostClock``)."""
+    wall, thread, builds, guard = [], [], [], []
     for _ in range(steps):
         for _ in range(fresh):
             engine.add_request(f"f{rng.getrandbits(48)}", {"prompt_token_ids": [rng.randrange(10, 1000)]},
                                _params(1))
-        began = time.perf_counter()
+        clock.take()
+        began, began_thread = time.perf_counter(), time.thread_time()
         engine.step()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
+        thread.append(time.thread_time() - began_thread)
+        wall.append(time.perf_counter() - began)
+        in_builds, in_guard = clock.take()
+        builds.append(in_builds)
+        guard.append(in_guard)
+    return tuple(statistics.median(times) for times in (wall, thread, builds, guard))
+
+
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free confidence interval of the median of ``values`` (order statistics: the
+    median lies below the j-th smallest of n values with probability P(Binomial(n, 1/2) < j))."""
+    ordered, n = sorted(values), len(values)
+    j, below = 0, 0.0  # below: P(Binomial(n, 1/2) < j + 1)
+    while True:
+        below_next = below + math.comb(n, j) / 2 ** n
+        if below_next > (1 - level) / 2:
+            break
+        below, j = below_next, j + 1
+    if j == 0:  # too few values for this level: the whole range
+        return ordered[0], ordered[-1]
+    return ordered[j - 1], ordered[n - j]
 
 
 def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_steps: int, warmup: int,
@@ -93,37 +161,59 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
                            _params(max_tokens))
     for _ in range(4):  # their prefills, then steady decoding
         engine.step()
-    window(engine, rng, fresh, warmup)
-    on, off, ratios = [], [], []
+    window(engine, rng, fresh, warmup, switch.clock)
+    on, off, ratios, thread_ratios = [], [], [], []
+    host_us, builds_us, guard_us, stood_down_guard_us = [], [], [], []
     for p in range(pairs):
         order = (True, False) if p % 2 == 0 else (False, True)
         medians = {}
         for state in order:
             switch.set(state)
-            medians[state] = window(engine, rng, fresh, window_steps)
+            medians[state] = window(engine, rng, fresh, window_steps, switch.clock)
         switch.set(True)
-        on.append(medians[True])
-        off.append(medians[False])
-        ratios.append(medians[True] / medians[False])
+        on.append(medians[True][0])
+        off.append(medians[False][0])
+        ratios.append(medians[True][0] / medians[False][0])
+        thread_ratios.append(medians[True][1] / medians[False][1])
+        # The hook's host time per step, where it runs: builds and op guard, on minus off.
+        builds_us.append((medians[True][2] - medians[False][2]) * 1e6)
+        guard_us.append((medians[True][3] - medians[False][3]) * 1e6)
+        host_us.append(builds_us[-1] + guard_us[-1])
+        stood_down_guard_us.append(medians[False][3] * 1e6)
     engine.abort_request(decoders)
     while engine.has_unfinished_requests():
         engine.step()
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+    low, high = median_interval(ratios)
+    thread_low, thread_high = median_interval(thread_ratios)
     return dict(batch=batch, fresh=fresh, pairs=pairs, window_steps=window_steps,
                 on_ms=round(statistics.median(on) * 1e3, 4), off_ms=round(statistics.median(off) * 1e3, 4),
                 ratio=round(statistics.median(ratios), 5), ratio_q1=round(q[0], 5), ratio_q3=round(q[2], 5),
                 ratio_min=round(min(ratios), 5), ratio_max=round(max(ratios), 5),
-                spread=round(q[2] - q[0], 5))
+                spread=round(q[2] - q[0], 5), ratio_ci95=[round(low, 5), round(high, 5)],
+                thread_ratio=round(statistics.median(thread_ratios), 5),
+                thread_ratio_ci95=[round(thread_low, 5), round(thread_high, 5)],
+                hook_us=round(statistics.median(host_us), 2),
+                hook_us_ci95=[round(v, 2) for v in median_interval(host_us)],
+                builds_us=round(statistics.median(builds_us), 2), op_guard_us=round(statistics.median(guard_us), 2),
+                stood_down_op_guard_us=round(statistics.median(stood_down_guard_us), 2))
 
 
 def render(result: dict) -> str:
     lines = [f"gdn-pass on/off per window in one engine: {result['dims']}, {result['layers']} layers, "
              f"{result['device']}, vLLM {result['vllm']}, torch {result['torch']}, commit {result['commit']}",
-             "", "| B | fresh | on ms/step | off ms/step | on/off (median) | quartiles | extremes | pairs x steps |",
-             "|---|---|---|---|---|---|---|---|"]
+             "", "| B | fresh | on ms/step | off ms/step | on/off (median) | 95% CI of the median | quartiles "
+             "| extremes | engine thread's CPU time on/off (95% CI) | hook's host time, us/step (95% CI) "
+             "| of it at build / in the op guard | the guarded ops' calls where off, us | pairs x steps |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
+        (low, high), (t_low, t_high) = r["ratio_ci95"], r["thread_ratio_ci95"]
+        h_low, h_high = r["hook_us_ci95"]
         lines.append(f"| {r['batch']} | {r['fresh']} | {r['on_ms']:.3f} | {r['off_ms']:.3f} | x{r['ratio']:.4f} | "
-                     f"{r['ratio_q1']:.4f}-{r['ratio_q3']:.4f} | {r['ratio_min']:.4f}-{r['ratio_max']:.4f} | "
+                     f"{low:.4f}-{high:.4f} | {r['ratio_q1']:.4f}-{r['ratio_q3']:.4f} | "
+                     f"{r['ratio_min']:.4f}-{r['ratio_max']:.4f} | x{r['thread_ratio']:.4f} ({t_low:.4f}-{t_high:.4f}) | "
+                     f"{r['hook_us']:.1f} ({h_low:.1f}-{h_high:.1f}) | {r['builds_us']:.1f} / {r['op_guard_us']:.1f} | "
+                     f"{r['stood_down_op_guard_us']:.1f} | "
                      f"{r['pairs']} x {r['window_steps']} |")
     return "\n".join(lines) + "\n"
 
