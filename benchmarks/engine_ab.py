@@ -72,7 +72,9 @@ class HostClock:
 
         timed.__wrapped__ = getattr(fn, "__wrapped__", fn)
         # Marked as the hook's, so that an install() during the run (a recompile) wraps nothing more.
-        setattr(timed, "__gdn_pass_wrapped__", True)
+        from gdn_pass.vllm.builders import HOOK_MARK
+
+        setattr(timed, HOOK_MARK, True)
         return timed
 
     def take(self) -> tuple[float, float]:
