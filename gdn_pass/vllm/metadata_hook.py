@@ -41,7 +41,7 @@ import torch
 
 from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import builders, compat, prompt_chunks, step_guard, support
+from gdn_pass.vllm import builders, compat, draftless_steps, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
 from gdn_pass.vllm.rows import has_new_rows
@@ -288,6 +288,8 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
                    f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
                    "update_block_table shortcut would bypass the guard)")
     state.prompt_chunks = prompt_chunks.for_builder(entry, builder, context.vllm_config)
+    if entry.prefills_draftless_rows:
+        draftless_steps.keep_off_full_graphs(builder, context.vllm_config)
     if decision.keeps_decodes:
         state.keeps_decodes = True
         _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")

@@ -11,7 +11,10 @@ Release facts (read in vLLM's source; the engine-start checks decide, not
 these): 0.26-0.30 call a fresh one-token row a decode when every row of the
 step has one token (vllm#51562); 0.31 routes rows still prefilling to the
 prefill path (vllm#51565), except that its V1 runner may replay a FULL decode
-graph on such a step (``support.reroute_holds``).
+graph on such a step (``support.reroute_holds``). With MTP its split goes by
+draft counts: a row of 1 + k tokens without drafts (a prompt's last chunk) is
+a prefill, on which the V1 runner may replay its speculative FULL graph
+(``draftless_steps``).
 """
 
 from __future__ import annotations
@@ -118,6 +121,7 @@ ENTRY = StateBuilder(
     state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
     rows=gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
     metadata_fields=METADATA_FIELDS, state_layout="conv + recurrent", device_rows=gdn_decode_rows,
+    prefills_draftless_rows=True,
     architectures=("Qwen3NextForCausalLM", "Qwen3NextMTP", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",
                    "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",
                    "OlmoHybridForCausalLM", "InternS2MobiusForConditionalGeneration", "BailingMoeV3ForCausalLM",

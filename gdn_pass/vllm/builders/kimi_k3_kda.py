@@ -21,5 +21,5 @@ ENTRY = StateBuilder(
     key="kimi_k3_kda", module="models.kimi_k3.nvidia.kda_metadata", class_name="KimiK3KDAMetadataBuilder",
     models="Kimi-K3", state="conv + recurrent state", read_by="Kimi-K3's KDA layer",
     rows=gdn.gdn_rows, guards=("step",), metadata_class="GDNAttentionMetadata",
-    metadata_fields=gdn.METADATA_FIELDS, state_layout="conv + recurrent",
+    metadata_fields=gdn.METADATA_FIELDS, state_layout="conv + recurrent", prefills_draftless_rows=True,
     architectures=("KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration"), eager=False)

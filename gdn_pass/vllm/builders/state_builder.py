@@ -58,6 +58,9 @@ class StateBuilder:
     state_layout: str  # "conv + recurrent" (ranks 2.. then 3) or "square" (one [H, D, D])
     architectures: tuple[str, ...]
     spec_columns: bool = False  # a speculative row stages one slot per column (1 + k)
+    # Its split sends a row of 1 + k tokens without drafts (a prompt's last chunk) to its prefill
+    # path, which no speculative FULL CUDA graph may replay (``draftless_steps``).
+    prefills_draftless_rows: bool = False
     # CUDA: the step's decode rows in vLLM's own device tensors (``rows.DecodeRows``), from which
     # one zeroing launch finds the fresh rows itself; None (or a None result): the host stages them.
     device_rows: Callable | None = None

@@ -1,0 +1,183 @@
+"""Draftless prompt chunks of 1 + k tokens kept off the speculative FULL graph (``gdn_pass.vllm.draftless_steps``).
+
+The installed vLLM's own pieces decide each step: the V1 runner's
+``_determine_batch_execution_and_padding`` with a real ``CudagraphDispatcher``
+whose keys are those of ``FULL_AND_PIECEWISE`` graphs, and the real
+``GDNAttentionMetadataBuilder`` of an engine with one speculative token. The
+oracle is the builder's own classification: a step it builds with a prefill
+must not get the FULL graph, whose decode buffers it did not stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from gdn_pass.vllm import draftless_steps, support
+from tests.vllm.test_metadata_hook import common_metadata, new_builder
+from tests.vllm.test_metadata_hook_row_kinds import engine_config, poisoned_caches
+
+K = 1  # speculative tokens: a speculative decode row has 1 + K tokens
+
+
+@pytest.fixture(autouse=True)
+def _one_speculative_token_v1_runner(monkeypatch):
+    from vllm.config import VllmConfig
+
+    monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: K))
+    monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: False)
+    monkeypatch.setattr(draftless_steps, "_ENGINES", set())
+    monkeypatch.setattr(draftless_steps, "_ACTIVITY", {"steps": 0})
+    monkeypatch.setattr(draftless_steps, "_said", set())
+    # vLLM's class as installed: a test's wrapper must not outlive it
+    cls = runner_class()
+    monkeypatch.setattr(cls, draftless_steps._CHOOSE, getattr(cls, draftless_steps._CHOOSE))
+
+
+def runner_class():
+    import importlib
+
+    module, name = draftless_steps.RUNNER
+    return getattr(importlib.import_module(module), name)
+
+
+def engine(cudagraph_mode: str = "FULL_AND_PIECEWISE", *, configured: bool = True):
+    """A speculating engine's config (graphs as the GPU has them) and its real GDN builder's step inputs."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    config = engine_config("none", K)
+    if not configured:
+        config.compilation_config.inductor_compile_config.pop("post_grad_custom_post_pass")
+    c = config.compilation_config
+    c.cudagraph_mode = getattr(CUDAGraphMode, cudagraph_mode)
+    # what VllmConfig sets up on CUDA (the CPU platform turns graphs off)
+    c.mode = CompilationMode.VLLM_COMPILE
+    c.splitting_ops = list(c._attention_ops)
+    c.cudagraph_capture_sizes, c.max_cudagraph_capture_size = [1, 2, 4, 8], 8
+    return config
+
+
+def runner_for(config, drafts: list[int]):
+    """The V1 runner's state that its graph choice reads, with this step's draft counts as
+    ``_prepare_inputs`` wrote them (-1: a row without drafts)."""
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(config.compilation_config.cudagraph_mode, 1 + K)
+    runner = object.__new__(runner_class())
+    runner.__dict__.update(
+        vllm_config=config, compilation_config=config.compilation_config, parallel_config=config.parallel_config,
+        model_config=SimpleNamespace(is_encoder_decoder=False), uniform_decode_query_len=1 + K,
+        input_batch=SimpleNamespace(lora_id_to_lora_request={}), cudagraph_dispatcher=dispatcher,
+        num_decode_draft_tokens=SimpleNamespace(np=np.array(drafts + [-1] * 4, dtype=np.int32)))
+    return runner
+
+
+def graph_for(runner, query_lens: list[int], **force) -> str:
+    """The CUDA-graph mode the runner picks for a step of these rows (by keyword, as vLLM calls it)."""
+    mode, _descriptor, *_ = runner._determine_batch_execution_and_padding(
+        num_tokens=sum(query_lens), num_reqs=len(query_lens), num_scheduled_tokens_np=np.array(query_lens),
+        max_num_scheduled_tokens=max(query_lens), use_cascade_attn=False, **force)
+    return mode.name
+
+
+def gdn_step(builder, computed, query_lens, drafts):
+    """The real GDN builder's build of one step (vLLM 0.26's call), rows on blocks 3, 4, ..."""
+    common = dataclasses.replace(
+        common_metadata(computed, query_lens),
+        block_table_tensor=torch.tensor([[3 + i, 0] for i in range(len(query_lens))], dtype=torch.int32))
+    return builder.build(common_prefix_len=0, common_attn_metadata=common,
+                         num_accepted_tokens=torch.ones(len(query_lens), dtype=torch.int32),
+                         num_decode_draft_tokens_cpu=torch.tensor(drafts, dtype=torch.int32))
+
+
+# A speculating row (1 + K tokens, K drafts) next to a prompt's last chunk of 1 + K tokens (no drafts).
+CHUNK_BESIDE_SPEC = dict(computed=[9, 8], query_lens=[1 + K, 1 + K], drafts=[K, -1])
+# The same chunk alone in its step.
+CHUNK_ALONE = dict(computed=[8], query_lens=[1 + K], drafts=[-1])
+STEPS = pytest.mark.parametrize("step", [CHUNK_BESIDE_SPEC, CHUNK_ALONE], ids=["beside_spec", "alone"])
+
+
+@STEPS
+def test_vllm_replays_the_spec_full_graph_on_a_step_its_gdn_builder_builds_with_a_prefill(monkeypatch, step):
+    """The hazard, from vLLM's own pieces without gdn-pass: the shape says speculative decode,
+    the builder says prefill and stages none of the graph's buffers."""
+    config = engine(configured=False)
+    poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    assert builder.use_spec_decode and builder.use_full_cuda_graph
+    metadata = gdn_step(builder, **step)
+    assert metadata.num_prefills == 1
+    # the FULL graph reads these persistent buffers; a step with a prefill leaves them as they were
+    staged = metadata.spec_state_indices_tensor
+    assert staged is None or staged.data_ptr() != builder.spec_state_indices_tensor.data_ptr()
+    assert graph_for(runner_for(config, step["drafts"]), step["query_lens"]) == "FULL"
+
+
+@STEPS
+def test_configured_engine_runs_such_a_step_without_the_full_graph(monkeypatch, step):
+    config = engine()
+    poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)  # the hook acts at engine start
+    assert draftless_steps._ENGINES == {id(config)}
+    assert graph_for(runner_for(config, step["drafts"]), step["query_lens"]) == "PIECEWISE"
+    assert draftless_steps.activity() == {"steps": 1}
+    assert gdn_step(builder, **step).num_prefills == 1  # what the builder builds, unchanged
+
+
+@pytest.mark.parametrize("query_lens, drafts, graph", [
+    ([1 + K, 1 + K], [K, K], "FULL"),          # speculative decodes: every row has drafts
+    ([1, 1], [-1, -1], "PIECEWISE"),           # one-token rows: not the speculative shape
+    ([1 + K, 1], [K, -1], "PIECEWISE"),        # mixed lengths: the runner does not call it uniform
+    ([1 + K, 1 + K, 3 + K], [K, -1, -1], "PIECEWISE"),  # a longer prompt chunk
+    ([1, 1 + 2 * K], [-1, -1], "PIECEWISE"),   # (1 + K) tokens a row on average, not in each
+], ids=["all_speculating", "one_token_rows", "mixed", "longer_prompt", "uneven"])
+def test_other_steps_get_the_graph_vllm_picks(monkeypatch, query_lens, drafts, graph):
+    config = engine()
+    new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    runner = runner_for(config, drafts)
+    assert graph_for(runner, query_lens) == graph
+    assert draftless_steps.activity() == {"steps": 0}
+
+
+def test_a_forced_choice_is_kept(monkeypatch):
+    """CUDA-graph capture and dummy runs force the choice: never changed."""
+    config = engine()
+    new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    runner = runner_for(config, [-1])
+    assert graph_for(runner, [1 + K], force_uniform_decode=True) == "FULL"
+    assert draftless_steps.activity() == {"steps": 0}
+
+
+@pytest.mark.parametrize("why", ["unconfigured", "piecewise_graphs", "v2_runner"])
+def test_engines_it_does_not_apply_to_are_unchanged(monkeypatch, why):
+    config = engine("PIECEWISE" if why == "piecewise_graphs" else "FULL_AND_PIECEWISE",
+                    configured=why != "unconfigured")
+    if why == "v2_runner":
+        monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: True)
+    new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    assert draftless_steps._ENGINES == set()
+    if why != "piecewise_graphs":  # the runner picks as vLLM does (the wrapper may be there from another engine)
+        assert graph_for(runner_for(config, CHUNK_ALONE["drafts"]), CHUNK_ALONE["query_lens"]) == "FULL"
+
+
+def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, caplog):
+    class RunnerWithoutTheChoice:
+        def _determine_batch_execution_and_padding(self, num_tokens, num_reqs, max_num_scheduled_tokens):
+            return None
+
+    import sys
+
+    module = SimpleNamespace(GPUModelRunner=RunnerWithoutTheChoice)
+    monkeypatch.setitem(sys.modules, "fake_runner_module", module)
+    monkeypatch.setattr(draftless_steps, "RUNNER", ("fake_runner_module", "GPUModelRunner"))
+    config = engine()
+    with caplog.at_level("WARNING", logger="gdn_pass"):
+        new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    assert draftless_steps._ENGINES == set()
+    assert "cannot prevent it" in caplog.text and "takes no force_uniform_decode" in caplog.text
+    assert not getattr(RunnerWithoutTheChoice._determine_batch_execution_and_padding, draftless_steps._MARK, False)
