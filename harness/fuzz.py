@@ -68,8 +68,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, counts_supplied_rows, engine_drift,
-                                first_token_mismatch, fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows, largest_shift,
-                                one_token_paths, perturbed_by_pass, resume_points, resumed_drift,
+                                first_token_mismatch, fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows,
+                                kept_off_full_graph_rows, largest_shift, one_token_paths, perturbed_by_pass, resume_points, resumed_drift,
                                 spec_prompt_rows)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
@@ -118,14 +118,16 @@ GPU_ALIGN_CHUNKS = dict(long_prefill_token_threshold=256, max_num_batched_tokens
 GPU_ENGINE_CONFIGS: dict[str, dict] = {
     name: GPU_ALIGN_CHUNKS for name, cfg in ENGINE_CONFIGS.items() if cfg.get("enable_prefix_caching")
 }
-# The reference engines' own settings. Lightning with MTP: the reference does not speculate
-# (greedy speculative decoding must give the tokens of plain decoding), so that it depends on no
-# part of vLLM's speculative path: on the V1 runner a prompt whose last chunk has 1 + k tokens
-# runs that chunk alone in its step and replays the speculative FULL graph on another step's
-# decode buffers (gdn_pass/vllm/prompt_chunks.py); on the V2 runner (0.31-0.34) the builder gets
-# no accepted counts and keeps rejected drafts in the state (gdn_pass/vllm/accepted_counts.py).
+# The reference engines' own settings. With MTP the reference does not speculate (greedy
+# speculative decoding must give the tokens of plain decoding), so that it depends on no part of
+# vLLM's speculative path: on the V1 runner a prompt whose last chunk has 1 + k tokens runs that
+# chunk alone in its step, as in the stream, and replays the speculative FULL graph on another
+# step's decode buffers (Lightning: gdn_pass/vllm/prompt_chunks.py; GDN: draftless_steps.py); on
+# the V2 runner (0.31-0.34) the Lightning builder gets no accepted counts and keeps rejected drafts
+# in the state (gdn_pass/vllm/accepted_counts.py).
 REFERENCE_ENGINE_CONFIGS: dict[str, dict] = {
     "bailing_linear_mtp": dict(speculative_config=None),
+    "mtp": dict(speculative_config=None),
 }
 # The checkpoint kind each configuration runs (tiny_checkpoints), and its stream shape.
 CONFIG_CHECKPOINT: dict[str, str] = {"preempt_prefix_hits": "qwen3_next_small_state",
@@ -619,9 +621,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         base_trace = ran[f"stream_{config}_s{seed}_{baseline}"]
         base_run = base_trace["results"]
         on_trace = ran[f"stream_{config}_s{seed}_{pass_on}"]
-        # the guard's fresh rows, the prompt rows gdn_pass.vllm.prompt_chunks repairs, and (V2
-        # runner) the speculating rows it gives the runner's accepted counts (accepted_counts)
-        acted = set(fresh_reads(on_trace)) | set(spec_prompt_rows(on_trace)) | set(counts_supplied_rows(on_trace))
+        # the guard's fresh rows, the prompt rows gdn_pass.vllm.prompt_chunks repairs, (V2 runner) the
+        # speculating rows it gives the runner's accepted counts (accepted_counts), and the rows of
+        # steps it keeps off the speculative FULL graph (draftless_steps)
+        acted = (set(fresh_reads(on_trace)) | set(spec_prompt_rows(on_trace)) | set(counts_supplied_rows(on_trace))
+                 | set(kept_off_full_graph_rows(on_trace)))
         summary["acted_on"] = sorted(acted, key=lambda rid: int(rid[1:]))
         # A request the guard acted on through another builder only (an MTP drafter's: the
         # trace's step figures follow one builder) is acted on too: it is left out of the

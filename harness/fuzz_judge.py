@@ -115,6 +115,12 @@ def counts_supplied_rows(run: dict) -> dict[str, str]:
     return _per_request(run, "counts_supplied_rows")
 
 
+def kept_off_full_graph_rows(run: dict) -> dict[str, str]:
+    """Requests of steps gdn-pass kept off the speculative FULL graph (``gdn_pass.vllm.draftless_steps``):
+    a prompt chunk of 1 + k tokens without drafts, and the other rows of its step."""
+    return _per_request(run, "kept_off_full_graph_rows")
+
+
 def full_graph_prefill_rows(run: dict) -> dict[str, str]:
     """Requests of steps whose FULL decode graph replayed on a build with prefills."""
     return _per_request(run, "full_graph_prefill_rows")

@@ -216,7 +216,7 @@ class StepTrace:
 
     def gdn_trace_start(self, detail: bool = False) -> bool:
         """Start recording; ``detail`` also keeps each step's rows by request id."""
-        from gdn_pass.vllm import accepted_counts, compat
+        from gdn_pass.vllm import accepted_counts, compat, draftless_steps
 
         state = _ACTIVE.setdefault("state", dict(steps=[], dispatch=None, builder=None))
         state["steps"].clear()
@@ -227,6 +227,7 @@ class StepTrace:
         state["spec_prompt_rows"] = {}
         state["counts_supplied_rows"] = {}
         state["full_graph_prefill_rows"] = {}
+        state["kept_off_full_graph_rows"] = {}
         state["hook_compared"] = 0
         state["hook_disagreements"] = []
         state["runner"] = getattr(self, "model_runner", None)
@@ -289,6 +290,10 @@ class StepTrace:
                 state["counts_supplied_rows"].update(
                     {rid: path for rid, q, path in zip(ids, qlens.tolist(), paths) if path == "spec" and q > 0})
             dispatch = state["dispatch"]
+            if dispatch is not None and dispatch.get("kept_off_full"):
+                # rows of a step gdn-pass kept off the speculative FULL graph (draftless_steps)
+                state["kept_off_full_graph_rows"].update(
+                    {rid: dispatch["mode"] for rid, q in zip(ids, qlens.tolist()) if q > 0})
             if dispatch is not None and dispatch["mode"] == "FULL" and md.num_prefills > 0:
                 # the runner replays a FULL decode graph on a step its builder split with prefills:
                 # the graph reads decode buffers this build did not stage (prompt_chunks)
@@ -313,12 +318,15 @@ class StepTrace:
         if decide is not None:
             @functools.wraps(decide)
             def determine(*args, **kwargs):
+                kept_before = draftless_steps.activity()["steps"]
                 out = decide(*args, **kwargs)
                 if kwargs.get("force_uniform_decode") is None:  # not a capture / dummy run
                     mode, desc = out[0], out[1]
                     state["dispatch"] = dict(mode=getattr(mode, "name", str(mode)),
                                              tokens=int(kwargs.get("num_tokens", args[0] if args else 0)),
-                                             padded_tokens=int(desc.num_tokens))
+                                             padded_tokens=int(desc.num_tokens),
+                                             # gdn-pass kept this step off the speculative FULL graph
+                                             kept_off_full=draftless_steps.activity()["steps"] > kept_before)
                 return out
 
             runner._determine_batch_execution_and_padding = determine
@@ -367,10 +375,11 @@ class StepTrace:
             fresh_decode += s["rows"]["fresh_decode"] > 0
             fresh_in_padded_full += (s["rows"]["fresh_decode"] > 0 and padded
                                      and d["mode"] == "FULL")
-        from gdn_pass.vllm import metadata_hook, step_guard
+        from gdn_pass.vllm import draftless_steps, metadata_hook, step_guard
 
         # whether this worker's process has the plugin's hook (entry point) and who guarded
-        plugin = dict(hook_installed=metadata_hook.is_installed(), **step_guard.activity())
+        plugin = dict(hook_installed=metadata_hook.is_installed(), **step_guard.activity(),
+                      steps_kept_off_full_graph=draftless_steps.activity()["steps"])
         return dict(steps=len(steps), rows=dict(rows), cudagraph_modes=dict(modes), plugin=plugin,
                     fresh_decode_steps=fresh_decode, padded_graph_steps=padded_graph,
                     fresh_decode_in_padded_full_graph=fresh_in_padded_full,
@@ -384,6 +393,8 @@ class StepTrace:
                     counts_supplied_rows=dict(state.get("counts_supplied_rows", {})),
                     # rows of steps whose FULL decode graph replayed on a build with prefills
                     full_graph_prefill_rows=dict(state.get("full_graph_prefill_rows", {})),
+                    # rows of steps gdn-pass kept off the speculative FULL graph (draftless_steps)
+                    kept_off_full_graph_rows=dict(state.get("kept_off_full_graph_rows", {})),
                     # the plugin hook's count of rows to zero against this trace's, per step
                     hook_compared_steps=state.get("hook_compared", 0),
                     hook_disagreements=list(state.get("hook_disagreements", [])),
