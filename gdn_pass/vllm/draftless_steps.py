@@ -43,6 +43,7 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
+import weakref
 
 from gdn_pass._logging import logger
 
@@ -53,9 +54,14 @@ RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 _CHOOSE = "_determine_batch_execution_and_padding"
 _PARAMETERS = ("num_tokens", "num_reqs", "max_num_scheduled_tokens", "force_uniform_decode")
 _MARK = "_gdn_pass_draftless_steps"
-# Engines (their VllmConfig, by identity) whose runner keeps such steps off FULL graphs.
+# Engines (their VllmConfig, by identity) whose runner keeps such steps off FULL graphs, and their
+# builders: a runner is one of them when its config is, or one of its builders (a runner that
+# holds a copy of the config), decided at its first step and kept on the runner.
 _ENGINES: set[int] = set()
-_ACTIVITY = {"steps": 0}
+_BUILDERS: weakref.WeakSet = weakref.WeakSet()
+_RUNNER_FLAG = "_gdn_pass_keeps_draftless_steps_off_full_graphs"
+# steps: kept off the FULL graph; checked: steps of such engines' runners (every step there)
+_ACTIVITY = {"steps": 0, "checked": 0}
 _said: set[str] = set()
 
 
@@ -73,7 +79,11 @@ def keep_off_full_graphs(builder, vllm_config) -> bool:
     if not getattr(builder, "use_spec_decode", False):
         return False
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is None or not mode.has_full_cudagraphs() or support.runs_v2_model_runner(vllm_config):
+    # the builder's own reading of the mode where it keeps one (GDN: it stages FULL buffers by it)
+    full = getattr(builder, "use_full_cuda_graph", None)
+    if full is None:
+        full = mode is not None and mode.has_full_cudagraphs()
+    if not full or support.runs_v2_model_runner(vllm_config):
         return False
     name = type(builder).__name__
     why_not = _wrap_runner()
@@ -84,13 +94,15 @@ def keep_off_full_graphs(builder, vllm_config) -> bool:
                   "PIECEWISE avoids it")
         return False
     _ENGINES.add(id(vllm_config))
+    _BUILDERS.add(builder)
     _say_once(f"keeps:{name}", f"gdn-pass: steps with a prompt chunk of 1 + k tokens and no drafts run "
               f"without the speculative FULL CUDA graph ({name} builds them as prefills)", info=True)
     return True
 
 
 def activity() -> dict:
-    """``{"steps": n}``: the steps kept off the speculative FULL graph in this process."""
+    """``{"steps": n, "checked": m}``: the steps kept off the speculative FULL graph in this process,
+    of the ``m`` steps of engines where it applies."""
     return dict(_ACTIVITY)
 
 
@@ -109,15 +121,29 @@ def _wrap_runner() -> str | None:
 
     @functools.wraps(original)
     def choose(self, *args, **kwargs):
-        if not args and kwargs.get("force_uniform_decode") is None and id(self.vllm_config) in _ENGINES:
-            if _draftless_uniform_step(self, kwargs):
-                _ACTIVITY["steps"] += 1
-                kwargs["force_uniform_decode"] = False
+        if not args and kwargs.get("force_uniform_decode") is None:  # a step (capture forces the choice)
+            keeps = self.__dict__.get(_RUNNER_FLAG)
+            if keeps is None:
+                keeps = self.__dict__[_RUNNER_FLAG] = _runs_such_a_builder(self)
+            if keeps:
+                _ACTIVITY["checked"] += 1
+                if _draftless_uniform_step(self, kwargs):
+                    _ACTIVITY["steps"] += 1
+                    kwargs["force_uniform_decode"] = False
         return original(self, *args, **kwargs)
 
     setattr(choose, _MARK, True)
     setattr(runner, _CHOOSE, choose)
     return None
+
+
+def _runs_such_a_builder(runner) -> bool:
+    """Is ``runner`` an engine's whose builder asked for this (``keep_off_full_graphs``)?"""
+    if id(getattr(runner, "vllm_config", None)) in _ENGINES:
+        return True
+    groups = getattr(runner, "attn_groups", None) or ()
+    return any(builder in _BUILDERS for per_kv_group in groups for group in per_kv_group
+               for builder in getattr(group, "metadata_builders", ()))
 
 
 def _draftless_uniform_step(runner, kwargs: dict) -> bool:

@@ -10,7 +10,9 @@ must not get the FULL graph, whose decode buffers it did not stage.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import weakref
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,7 +33,8 @@ def _one_speculative_token_v1_runner(monkeypatch):
     monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: K))
     monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: False)
     monkeypatch.setattr(draftless_steps, "_ENGINES", set())
-    monkeypatch.setattr(draftless_steps, "_ACTIVITY", {"steps": 0})
+    monkeypatch.setattr(draftless_steps, "_ACTIVITY", {"steps": 0, "checked": 0})
+    monkeypatch.setattr(draftless_steps, "_BUILDERS", weakref.WeakSet())
     monkeypatch.setattr(draftless_steps, "_said", set())
     # vLLM's class as installed: a test's wrapper must not outlive it
     cls = runner_class()
@@ -61,7 +64,7 @@ def engine(cudagraph_mode: str = "FULL_AND_PIECEWISE", *, configured: bool = Tru
     return config
 
 
-def runner_for(config, drafts: list[int]):
+def runner_for(config, drafts: list[int], builders=()):
     """The V1 runner's state that its graph choice reads, with this step's draft counts as
     ``_prepare_inputs`` wrote them (-1: a row without drafts)."""
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
@@ -73,6 +76,7 @@ def runner_for(config, drafts: list[int]):
         vllm_config=config, compilation_config=config.compilation_config, parallel_config=config.parallel_config,
         model_config=SimpleNamespace(is_encoder_decoder=False), uniform_decode_query_len=1 + K,
         input_batch=SimpleNamespace(lora_id_to_lora_request={}), cudagraph_dispatcher=dispatcher,
+        attn_groups=[[SimpleNamespace(metadata_builders=list(builders))]],
         num_decode_draft_tokens=SimpleNamespace(np=np.array(drafts + [-1] * 4, dtype=np.int32)))
     return runner
 
@@ -125,8 +129,20 @@ def test_configured_engine_runs_such_a_step_without_the_full_graph(monkeypatch, 
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)  # the hook acts at engine start
     assert draftless_steps._ENGINES == {id(config)}
     assert graph_for(runner_for(config, step["drafts"]), step["query_lens"]) == "PIECEWISE"
-    assert draftless_steps.activity() == {"steps": 1}
+    assert draftless_steps.activity()["steps"] == 1
     assert gdn_step(builder, **step).num_prefills == 1  # what the builder builds, unchanged
+
+
+def test_a_runner_with_a_copy_of_the_config_is_found_by_its_builders(monkeypatch):
+    config = engine()
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    runner = runner_for(config, CHUNK_ALONE["drafts"], builders=[builder])
+    runner.vllm_config = copy.copy(config)  # a copy: not the builder's config object
+    assert graph_for(runner, CHUNK_ALONE["query_lens"]) == "PIECEWISE"
+    other = runner_for(config, CHUNK_ALONE["drafts"])  # neither its config nor a builder of its own
+    other.vllm_config = copy.copy(config)
+    assert graph_for(other, CHUNK_ALONE["query_lens"]) == "FULL"
+    assert draftless_steps.activity() == {"steps": 1, "checked": 1}
 
 
 @pytest.mark.parametrize("query_lens, drafts, graph", [
@@ -141,7 +157,7 @@ def test_other_steps_get_the_graph_vllm_picks(monkeypatch, query_lens, drafts, g
     new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
     runner = runner_for(config, drafts)
     assert graph_for(runner, query_lens) == graph
-    assert draftless_steps.activity() == {"steps": 0}
+    assert draftless_steps.activity()["steps"] == 0
 
 
 def test_a_forced_choice_is_kept(monkeypatch):
@@ -150,7 +166,7 @@ def test_a_forced_choice_is_kept(monkeypatch):
     new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
     runner = runner_for(config, [-1])
     assert graph_for(runner, [1 + K], force_uniform_decode=True) == "FULL"
-    assert draftless_steps.activity() == {"steps": 0}
+    assert draftless_steps.activity()["steps"] == 0
 
 
 @pytest.mark.parametrize("why", ["unconfigured", "piecewise_graphs", "v2_runner"])
