@@ -33,9 +33,10 @@ graphs and the V1 runner are changed (``keep_off_full_graphs``, at engine
 start); in them, only a step of the uniform shape with a row without drafts
 (``num_decode_draft_tokens < 0``), a step vLLM would run wrongly; a call that
 already forces the choice (CUDA-graph capture, dummy runs) is never changed.
-A step costs one shape check, and a step of the uniform shape one look at the
-draft counts the runner wrote for it in ``_prepare_inputs``, which runs before
-the choice.
+A step costs one shape check, and a step of the uniform shape one look at
+whether it has drafts (recorded where ``_prepare_inputs`` starts, before the
+choice) and, where it has, at the draft counts ``_prepare_inputs`` wrote for
+it (in a step without drafts vLLM leaves a past step's there).
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ __all__ = ["RUNNER", "activity", "keep_off_full_graphs"]
 RUNNER = ("vllm.v1.worker.gpu_model_runner", "GPUModelRunner")
 _CHOOSE = "_determine_batch_execution_and_padding"
 _PARAMETERS = ("num_tokens", "num_reqs", "max_num_scheduled_tokens", "force_uniform_decode")
+# The runner's per-step input preparation, which runs before the choice: it writes the step's
+# draft counts only in a step where some row has drafts (0.26-0.31: ``use_spec_decode``), so in a
+# step without any they are a past step's. Whether the step has drafts is read where it starts.
+_PREPARE = "_prepare_inputs"
+_STEP_HAS_DRAFTS = "_gdn_pass_step_has_drafts"
 _MARK = "_gdn_pass_draftless_steps"
 # Engines (their VllmConfig, by identity) whose runner keeps such steps off FULL graphs, and their
 # builders: a runner is one of them when its config is, or one of its builders (a runner that
@@ -118,6 +124,14 @@ def _wrap_runner() -> str | None:
     missing = [p for p in _PARAMETERS if p not in inspect.signature(original).parameters]
     if missing:
         return f"{RUNNER[1]}.{_CHOOSE} takes no {', '.join(missing)}"
+    original_prepare = getattr(runner, _PREPARE, None)
+    if original_prepare is None or list(inspect.signature(original_prepare).parameters)[1:2] != ["scheduler_output"]:
+        return f"{RUNNER[1]}.{_PREPARE} does not take the step's scheduler_output first"
+
+    @functools.wraps(original_prepare)
+    def prepare_inputs(self, scheduler_output, *args, **kwargs):
+        self.__dict__[_STEP_HAS_DRAFTS] = bool(getattr(scheduler_output, "scheduled_spec_decode_tokens", True))
+        return original_prepare(self, scheduler_output, *args, **kwargs)
 
     @functools.wraps(original)
     def choose(self, *args, **kwargs):
@@ -133,6 +147,7 @@ def _wrap_runner() -> str | None:
         return original(self, *args, **kwargs)
 
     setattr(choose, _MARK, True)
+    setattr(runner, _PREPARE, prepare_inputs)
     setattr(runner, _CHOOSE, choose)
     return None
 
@@ -152,6 +167,8 @@ def _draftless_uniform_step(runner, kwargs: dict) -> bool:
     longest, num_reqs = kwargs.get("max_num_scheduled_tokens"), kwargs.get("num_reqs")
     if width <= 1 or not num_reqs or longest != width or kwargs.get("num_tokens") != width * num_reqs:
         return False  # not the shape the runner takes for a speculative decode (most steps)
+    if not runner.__dict__.get(_STEP_HAS_DRAFTS, True):
+        return True  # no row of the step has drafts (the runner's counts are a past step's)
     drafts = getattr(getattr(runner, "num_decode_draft_tokens", None), "np", None)
     if drafts is None:
         _say_once("no-drafts", "gdn-pass: vLLM's V1 runner keeps no num_decode_draft_tokens; steps with "

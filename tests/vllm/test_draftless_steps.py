@@ -39,6 +39,22 @@ def _one_speculative_token_v1_runner(monkeypatch):
     # vLLM's class as installed: a test's wrapper must not outlive it
     cls = runner_class()
     monkeypatch.setattr(cls, draftless_steps._CHOOSE, getattr(cls, draftless_steps._CHOOSE))
+    # the runner's input preparation needs a whole input batch: what it does to the draft counts
+    monkeypatch.setattr(cls, draftless_steps._PREPARE, prepare_draft_counts_as_vllm)
+
+
+def prepare_draft_counts_as_vllm(self, scheduler_output, num_scheduled_tokens):
+    """What ``_prepare_inputs`` does to the draft counts (vLLM 0.26-0.31, read in its source): it
+    writes them only in a step where some row has drafts, a row's drafts where it has 1 + drafts
+    tokens, else -1; in a step without drafts they stay as a past step left them."""
+    drafts = scheduler_output.scheduled_spec_decode_tokens
+    if not drafts:
+        return
+    counts = np.full(len(num_scheduled_tokens), -1, dtype=np.int32)
+    for row, tokens in drafts.items():
+        if num_scheduled_tokens[row] == len(tokens) + 1:
+            counts[row] = len(tokens)
+    self.num_decode_draft_tokens.np[: counts.size] = counts
 
 
 def runner_class():
@@ -64,9 +80,9 @@ def engine(cudagraph_mode: str = "FULL_AND_PIECEWISE", *, configured: bool = Tru
     return config
 
 
-def runner_for(config, drafts: list[int], builders=()):
-    """The V1 runner's state that its graph choice reads, with this step's draft counts as
-    ``_prepare_inputs`` wrote them (-1: a row without drafts)."""
+def runner_for(config, builders=()):
+    """The V1 runner's state that its graph choice reads; its draft counts a past speculative
+    step's (every row K drafts)."""
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 
     dispatcher = CudagraphDispatcher(config)
@@ -77,12 +93,16 @@ def runner_for(config, drafts: list[int], builders=()):
         model_config=SimpleNamespace(is_encoder_decoder=False), uniform_decode_query_len=1 + K,
         input_batch=SimpleNamespace(lora_id_to_lora_request={}), cudagraph_dispatcher=dispatcher,
         attn_groups=[[SimpleNamespace(metadata_builders=list(builders))]],
-        num_decode_draft_tokens=SimpleNamespace(np=np.array(drafts + [-1] * 4, dtype=np.int32)))
+        num_decode_draft_tokens=SimpleNamespace(np=np.full(8, K, dtype=np.int32)))
     return runner
 
 
-def graph_for(runner, query_lens: list[int], **force) -> str:
-    """The CUDA-graph mode the runner picks for a step of these rows (by keyword, as vLLM calls it)."""
+def graph_for(runner, query_lens: list[int], drafts: list[int], **force) -> str:
+    """The CUDA-graph mode the runner picks for a step of these rows, each with its drafts (-1: none),
+    its inputs prepared first as ``execute_model`` does (by keyword, as vLLM calls it)."""
+    if not force:  # a step (a capture prepares no inputs)
+        scheduled = {row: [0] * d for row, d in enumerate(drafts) if d > 0}
+        runner._prepare_inputs(SimpleNamespace(scheduled_spec_decode_tokens=scheduled), np.array(query_lens))
     mode, _descriptor, *_ = runner._determine_batch_execution_and_padding(
         num_tokens=sum(query_lens), num_reqs=len(query_lens), num_scheduled_tokens_np=np.array(query_lens),
         max_num_scheduled_tokens=max(query_lens), use_cascade_attn=False, **force)
@@ -119,7 +139,7 @@ def test_vllm_replays_the_spec_full_graph_on_a_step_its_gdn_builder_builds_with_
     # the FULL graph reads these persistent buffers; a step with a prefill leaves them as they were
     staged = metadata.spec_state_indices_tensor
     assert staged is None or staged.data_ptr() != builder.spec_state_indices_tensor.data_ptr()
-    assert graph_for(runner_for(config, step["drafts"]), step["query_lens"]) == "FULL"
+    assert graph_for(runner_for(config), step["query_lens"], step["drafts"]) == "FULL"
 
 
 @STEPS
@@ -128,7 +148,7 @@ def test_configured_engine_runs_such_a_step_without_the_full_graph(monkeypatch, 
     poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)  # the hook acts at engine start
     assert draftless_steps._ENGINES == {id(config)}
-    assert graph_for(runner_for(config, step["drafts"]), step["query_lens"]) == "PIECEWISE"
+    assert graph_for(runner_for(config), step["query_lens"], step["drafts"]) == "PIECEWISE"
     assert draftless_steps.activity()["steps"] == 1
     assert gdn_step(builder, **step).num_prefills == 1  # what the builder builds, unchanged
 
@@ -136,12 +156,12 @@ def test_configured_engine_runs_such_a_step_without_the_full_graph(monkeypatch, 
 def test_a_runner_with_a_copy_of_the_config_is_found_by_its_builders(monkeypatch):
     config = engine()
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    runner = runner_for(config, CHUNK_ALONE["drafts"], builders=[builder])
+    runner = runner_for(config, builders=[builder])
     runner.vllm_config = copy.copy(config)  # a copy: not the builder's config object
-    assert graph_for(runner, CHUNK_ALONE["query_lens"]) == "PIECEWISE"
-    other = runner_for(config, CHUNK_ALONE["drafts"])  # neither its config nor a builder of its own
+    assert graph_for(runner, CHUNK_ALONE["query_lens"], CHUNK_ALONE["drafts"]) == "PIECEWISE"
+    other = runner_for(config)  # neither its config nor a builder of its own
     other.vllm_config = copy.copy(config)
-    assert graph_for(other, CHUNK_ALONE["query_lens"]) == "FULL"
+    assert graph_for(other, CHUNK_ALONE["query_lens"], CHUNK_ALONE["drafts"]) == "FULL"
     assert draftless_steps.activity() == {"steps": 1, "checked": 1}
 
 
@@ -155,8 +175,7 @@ def test_a_runner_with_a_copy_of_the_config_is_found_by_its_builders(monkeypatch
 def test_other_steps_get_the_graph_vllm_picks(monkeypatch, query_lens, drafts, graph):
     config = engine()
     new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    runner = runner_for(config, drafts)
-    assert graph_for(runner, query_lens) == graph
+    assert graph_for(runner_for(config), query_lens, drafts) == graph
     assert draftless_steps.activity()["steps"] == 0
 
 
@@ -164,8 +183,7 @@ def test_a_forced_choice_is_kept(monkeypatch):
     """CUDA-graph capture and dummy runs force the choice: never changed."""
     config = engine()
     new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    runner = runner_for(config, [-1])
-    assert graph_for(runner, [1 + K], force_uniform_decode=True) == "FULL"
+    assert graph_for(runner_for(config), [1 + K], [-1], force_uniform_decode=True) == "FULL"
     assert draftless_steps.activity()["steps"] == 0
 
 
@@ -178,7 +196,7 @@ def test_engines_it_does_not_apply_to_are_unchanged(monkeypatch, why):
     new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
     assert draftless_steps._ENGINES == set()
     if why != "piecewise_graphs":  # the runner picks as vLLM does (the wrapper may be there from another engine)
-        assert graph_for(runner_for(config, CHUNK_ALONE["drafts"]), CHUNK_ALONE["query_lens"]) == "FULL"
+        assert graph_for(runner_for(config), CHUNK_ALONE["query_lens"], CHUNK_ALONE["drafts"]) == "FULL"
 
 
 def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, caplog):
