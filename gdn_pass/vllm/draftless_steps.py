@@ -11,8 +11,9 @@ stages none of the graph's persistent decode buffers
 (``spec_state_indices_tensor``, ``spec_query_start_loc``, ...). The replayed
 graph then reads and writes the slots of the last step that staged them. In
 the GPU scheduling fuzz (H200, vLLM 0.26, Qwen3-Next MTP, k = 1, 8-token
-chunks) the 13 prompts of length 2 mod 8 ran their last chunk that way, the
-same 13 with the pass off and on; four of them came out wrong.
+chunks) the 13 prompts of length 2 mod 8 ran their last chunk that way, and
+all 13 came out otherwise than from a reference without FULL graphs
+(``benchmarks/results/fuzz_scheduling_gpu.md``).
 
 This module makes such a step what it is, a step with a prefill, before the
 graph is chosen (vLLM's V2 runner keeps steps with a prompt chunk off FULL
