@@ -379,7 +379,9 @@ class StepTrace:
 
         # whether this worker's process has the plugin's hook (entry point) and who guarded
         plugin = dict(hook_installed=metadata_hook.is_installed(), **step_guard.activity(),
-                      steps_kept_off_full_graph=draftless_steps.activity()["steps"])
+                      steps_kept_off_full_graph=draftless_steps.activity()["steps"],
+                      # steps of engines where it applies: 0 where the runner was not found
+                      steps_checked_for_draftless_rows=draftless_steps.activity()["checked"])
         return dict(steps=len(steps), rows=dict(rows), cudagraph_modes=dict(modes), plugin=plugin,
                     fresh_decode_steps=fresh_decode, padded_graph_steps=padded_graph,
                     fresh_decode_in_padded_full_graph=fresh_in_padded_full,
