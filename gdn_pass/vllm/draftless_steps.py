@@ -61,10 +61,8 @@ _PARAMETERS = ("num_tokens", "num_reqs", "max_num_scheduled_tokens", "force_unif
 _PREPARE = "_prepare_inputs"
 _STEP_HAS_DRAFTS = "_gdn_pass_step_has_drafts"
 _MARK = "_gdn_pass_draftless_steps"
-# Engines (their VllmConfig, by identity) whose runner keeps such steps off FULL graphs, and their
-# builders: a runner is one of them when its config is, or one of its builders (a runner that
-# holds a copy of the config), decided at its first step and kept on the runner.
-_ENGINES: set[int] = set()
+# The builders that asked for this: a runner keeps such steps off FULL graphs when it runs one of
+# them (decided at its first step and kept on the runner).
 _BUILDERS: weakref.WeakSet = weakref.WeakSet()
 _RUNNER_FLAG = "_gdn_pass_keeps_draftless_steps_off_full_graphs"
 # steps: kept off the FULL graph; checked: steps of such engines' runners (every step there)
@@ -72,26 +70,25 @@ _ACTIVITY = {"steps": 0, "checked": 0}
 _said: set[str] = set()
 
 
-def keep_off_full_graphs(builder, vllm_config) -> bool:
+def keep_off_full_graphs(builder, vllm_config) -> None:
     """Keep ``builder``'s engine's draftless ``1 + k``-token steps off the speculative FULL graph.
 
     For a speculating builder gdn-pass acts for whose own split sends a draftless
-    row to its prefill path (GDN's). True where it will (said once at start-up);
-    False where nothing applies (no speculation, no FULL graphs, the V2 runner), or
-    where the runner is not the one read here: then nothing is changed and a
-    start-up warning says what remains.
+    row to its prefill path (GDN's); said once at start-up. Nothing applies without
+    speculation, without FULL graphs or on the V2 runner; where the runner is not
+    the one read here, nothing is changed and a start-up warning says what remains.
     """
     from gdn_pass.vllm import support
 
     if not getattr(builder, "use_spec_decode", False):
-        return False
+        return
     mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     # the builder's own reading of the mode where it keeps one (GDN: it stages FULL buffers by it)
     full = getattr(builder, "use_full_cuda_graph", None)
     if full is None:
         full = mode is not None and mode.has_full_cudagraphs()
     if not full or support.runs_v2_model_runner(vllm_config):
-        return False
+        return
     name = type(builder).__name__
     why_not = _wrap_runner()
     if why_not is not None:
@@ -99,12 +96,10 @@ def keep_off_full_graphs(builder, vllm_config) -> bool:
                   f"whose prompt chunk of 1 + k tokens it builds as a prefill, and gdn-pass cannot prevent "
                   f"it: {why_not}. Such prompts can come out wrong (vLLM's own); cudagraph_mode="
                   "PIECEWISE avoids it")
-        return False
-    _ENGINES.add(id(vllm_config))
+        return
     _BUILDERS.add(builder)
     _say_once(f"keeps:{name}", f"gdn-pass: steps with a prompt chunk of 1 + k tokens and no drafts run "
               f"without the speculative FULL CUDA graph ({name} builds them as prefills)", info=True)
-    return True
 
 
 def activity() -> dict:
@@ -154,9 +149,7 @@ def _wrap_runner() -> str | None:
 
 
 def _runs_such_a_builder(runner) -> bool:
-    """Is ``runner`` an engine's whose builder asked for this (``keep_off_full_graphs``)?"""
-    if id(getattr(runner, "vllm_config", None)) in _ENGINES:
-        return True
+    """Does ``runner`` run a builder that asked for this (``keep_off_full_graphs``)?"""
     groups = getattr(runner, "attn_groups", None) or ()
     return any(builder in _BUILDERS for per_kv_group in groups for group in per_kv_group
                for builder in getattr(group, "metadata_builders", ()))

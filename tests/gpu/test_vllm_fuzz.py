@@ -167,8 +167,8 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         # GDN with MTP where gdn-pass acts, on the V1 runner: a prompt whose last chunk has 1 + k
         # tokens ran that chunk on the speculative FULL graph with the pass off (the graph replays
         # buffers its step did not stage) and some came out wrong; with the pass no step replays a
-        # FULL graph on a prefill (draftless_steps), and every request equals its run alone without
-        # speculation
+        # FULL graph on a prefill (draftless_steps), and every request equals its run alone
+        # (speculating, without FULL graphs: fz.REFERENCE_ENGINE_CONFIGS)
         off_full = {re.sub(r"-[0-9a-f]{8}$", "", rid) for rid in off["trace"]["full_graph_prefill_rows"]}
         assert off_full and off_full & set(off["mismatched_ids"]), (off["trace"]["full_graph_prefill_rows"],
                                                                      off["mismatched_ids"])

@@ -32,7 +32,6 @@ def _one_speculative_token_v1_runner(monkeypatch):
 
     monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: K))
     monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: False)
-    monkeypatch.setattr(draftless_steps, "_ENGINES", set())
     monkeypatch.setattr(draftless_steps, "_ACTIVITY", {"steps": 0, "checked": 0})
     monkeypatch.setattr(draftless_steps, "_BUILDERS", weakref.WeakSet())
     monkeypatch.setattr(draftless_steps, "_said", set())
@@ -147,20 +146,19 @@ def test_configured_engine_runs_such_a_step_without_the_full_graph(monkeypatch, 
     config = engine()
     poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)  # the hook acts at engine start
-    assert draftless_steps._ENGINES == {id(config)}
-    assert graph_for(runner_for(config), step["query_lens"], step["drafts"]) == "PIECEWISE"
+    assert set(draftless_steps._BUILDERS) == {builder}
+    assert graph_for(runner_for(config, builders=[builder]), step["query_lens"], step["drafts"]) == "PIECEWISE"
     assert draftless_steps.activity()["steps"] == 1
     assert gdn_step(builder, **step).num_prefills == 1  # what the builder builds, unchanged
 
 
-def test_a_runner_with_a_copy_of_the_config_is_found_by_its_builders(monkeypatch):
+def test_only_the_runner_of_such_a_builder_is_changed(monkeypatch):
     config = engine()
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
     runner = runner_for(config, builders=[builder])
-    runner.vllm_config = copy.copy(config)  # a copy: not the builder's config object
+    runner.vllm_config = copy.copy(config)  # the builder is what tells, not the config object
     assert graph_for(runner, CHUNK_ALONE["query_lens"], CHUNK_ALONE["drafts"]) == "PIECEWISE"
-    other = runner_for(config)  # neither its config nor a builder of its own
-    other.vllm_config = copy.copy(config)
+    other = runner_for(config)  # another engine's runner in the process: none of its builders asked
     assert graph_for(other, CHUNK_ALONE["query_lens"], CHUNK_ALONE["drafts"]) == "FULL"
     assert draftless_steps.activity() == {"steps": 1, "checked": 1}
 
@@ -174,17 +172,17 @@ def test_a_runner_with_a_copy_of_the_config_is_found_by_its_builders(monkeypatch
 ], ids=["all_speculating", "one_token_rows", "mixed", "longer_prompt", "uneven"])
 def test_other_steps_get_the_graph_vllm_picks(monkeypatch, query_lens, drafts, graph):
     config = engine()
-    new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    assert graph_for(runner_for(config), query_lens, drafts) == graph
-    assert draftless_steps.activity()["steps"] == 0
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    assert graph_for(runner_for(config, builders=[builder]), query_lens, drafts) == graph
+    assert draftless_steps.activity() == {"steps": 0, "checked": 1}
 
 
 def test_a_forced_choice_is_kept(monkeypatch):
     """CUDA-graph capture and dummy runs force the choice: never changed."""
     config = engine()
-    new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    assert graph_for(runner_for(config), [1 + K], [-1], force_uniform_decode=True) == "FULL"
-    assert draftless_steps.activity()["steps"] == 0
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    assert graph_for(runner_for(config, builders=[builder]), [1 + K], [-1], force_uniform_decode=True) == "FULL"
+    assert draftless_steps.activity() == {"steps": 0, "checked": 0}
 
 
 @pytest.mark.parametrize("why", ["unconfigured", "piecewise_graphs", "v2_runner"])
@@ -193,10 +191,11 @@ def test_engines_it_does_not_apply_to_are_unchanged(monkeypatch, why):
                     configured=why != "unconfigured")
     if why == "v2_runner":
         monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: True)
-    new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    assert draftless_steps._ENGINES == set()
-    if why != "piecewise_graphs":  # the runner picks as vLLM does (the wrapper may be there from another engine)
-        assert graph_for(runner_for(config), CHUNK_ALONE["query_lens"], CHUNK_ALONE["drafts"]) == "FULL"
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
+    assert len(draftless_steps._BUILDERS) == 0
+    if why != "piecewise_graphs":  # the runner picks as vLLM does
+        assert graph_for(runner_for(config, builders=[builder]), CHUNK_ALONE["query_lens"],
+                         CHUNK_ALONE["drafts"]) == "FULL"
 
 
 def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, caplog):
@@ -212,6 +211,6 @@ def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, ca
     config = engine()
     with caplog.at_level("WARNING", logger="gdn_pass"):
         new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
-    assert draftless_steps._ENGINES == set()
+    assert len(draftless_steps._BUILDERS) == 0
     assert "cannot prevent it" in caplog.text and "takes no force_uniform_decode" in caplog.text
     assert not getattr(RunnerWithoutTheChoice._determine_batch_execution_and_padding, draftless_steps._MARK, False)
