@@ -70,7 +70,7 @@ from pathlib import Path
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, counts_supplied_rows, engine_drift,
                                 first_token_mismatch, fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows,
                                 kept_off_full_graph_rows, largest_shift, one_token_paths, perturbed_by_pass, resume_points, resumed_drift,
-                                spec_prompt_rows)
+                                schedule_moved, spec_prompt_rows)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
            "HARNESS_FIX", "CLEAN_OFF"]
@@ -429,7 +429,8 @@ def _row_kind_totals(traces: list[dict]) -> dict:
         return {}
     first = traces[0]
     agree = all(t["rows"] == first["rows"] and t["steps"] == first["steps"] for t in traces)
-    return dict(first, ranks=len(traces), ranks_agree=agree)
+    # the per-request schedule stays in the raw run (fuzz_judge.schedule_moved), not the summary
+    return dict({k: v for k, v in first.items() if k != "schedule"}, ranks=len(traces), ranks_agree=agree)
 
 
 def _by_request(moved: dict[str, int]) -> dict[str, int]:
@@ -660,9 +661,14 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             residue = set(perturbed) - set(moved_against_off)
             perturbed = {rid: pos for rid, pos in perturbed.items() if rid in moved_against_off}
         summary["moved_by_residue"] = sorted(residue, key=lambda rid: int(rid[1:]))
+        # moved with the batches around them: the fix changed the schedule before their moved token
+        # (MTP acceptance); judged by their runs alone, not bit for bit
+        rescheduled = schedule_moved(base_trace, on_trace, perturbed, {r.rid: len(r.prompt) for r in stream})
+        perturbed = {rid: pos for rid, pos in perturbed.items() if rid not in rescheduled}
+        summary["moved_with_schedule"] = _by_request(rescheduled)
         summary["footprint_baseline"] = baseline
         summary["perturbed_by_pass"] = _by_request(perturbed)
-        summary["largest_shift_by_pass"] = largest_shift(base_run, on_run, acted_on | residue)
+        summary["largest_shift_by_pass"] = largest_shift(base_run, on_run, acted_on | residue | set(rescheduled))
         if perturbed and repeat_baseline_if_perturbed:
             # The baseline stream and the pass-on stream once more, each in a new engine, side by
             # side. The baseline again: bit for bit what it gave before, unless this host's
@@ -678,7 +684,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             again = _run_engines([(stream_specs[g], name) for g, name in names.items()], workdir, python,
                                  parallel, engine_env)
             base_again, on_again = (again[names[g]]["results"] for g in (baseline, pass_on))
-            left_out = acted_on | residue
+            left_out = acted_on | residue | set(rescheduled)
             summary["baseline_repeat"] = _moves(base_run, base_again, left_out)
             # the same requests left out as against the first pass-on engine (same stream, same
             # schedule); against the harness's fix none is, acted-on ones included

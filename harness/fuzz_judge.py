@@ -126,6 +126,33 @@ def full_graph_prefill_rows(run: dict) -> dict[str, str]:
     return _per_request(run, "full_graph_prefill_rows")
 
 
+def schedule_moved(base: dict, on: dict, perturbed: dict[str, int], prompt_lens: dict[str, int]) -> dict[str, int]:
+    """Of ``perturbed`` (rid -> first moved output position), the requests whose batches differed
+    between the two streams before that token was sampled.
+
+    ``base`` / ``on``: the two streams' raw runs (their traces' ``schedule``:
+    per request, each step it ran in as (tokens computed before, its tokens,
+    the step's tokens, the step's rows, the CUDA-graph mode)); ``prompt_lens``:
+    rid -> prompt length. Output token ``i`` is sampled in a step that starts
+    with fewer than ``prompt_len + i`` tokens computed, so those steps are the
+    ones compared. Where a fix changes the schedule (with MTP a repaired
+    request accepts other drafts, finishes in another step, and the batches
+    after it hold other rows), a request moved by the batch it ran in is not a
+    bit-for-bit footprint of the pass; it is judged by its run alone instead. A
+    request the pass itself damaged at token ``i`` keeps its batches up to
+    there, so it stays in the footprint.
+    """
+    base_steps, on_steps = _per_request(base, "schedule"), _per_request(on, "schedule")
+    moved = {}
+    for rid, i in perturbed.items():
+        limit = prompt_lens[rid] + i
+        a = [list(e) for e in base_steps.get(rid, []) if e[0] < limit]
+        b = [list(e) for e in on_steps.get(rid, []) if e[0] < limit]
+        if a != b:
+            moved[rid] = i
+    return moved
+
+
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
     """The reference a request's first tokens are judged by: its prompt alone, or, for a
     one-token prompt that vLLM ran through its prefill kernels, the same on that path."""

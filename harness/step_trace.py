@@ -228,6 +228,7 @@ class StepTrace:
         state["counts_supplied_rows"] = {}
         state["full_graph_prefill_rows"] = {}
         state["kept_off_full_graph_rows"] = {}
+        state["schedule"] = {}
         state["hook_compared"] = 0
         state["hook_disagreements"] = []
         state["runner"] = getattr(self, "model_runner", None)
@@ -274,6 +275,14 @@ class StepTrace:
                 slot_rows=None if slots is None else int(slots.shape[0]),
                 dispatch=state["dispatch"]))
             ids = _step_req_ids(state)
+            # Each request's steps as the batch around it looked: where a fix changes the schedule
+            # (MTP: a repaired request accepts other drafts, so the batches after it differ), a
+            # request's numerics may move with the batch it ran in (fuzz_judge.schedule_moved).
+            total, real = int(qlens.sum()), int((qlens > 0).sum())
+            mode = None if state["dispatch"] is None else state["dispatch"]["mode"]
+            for rid, c, q in zip(ids, computed.tolist(), qlens.tolist()):
+                if q > 0:
+                    state["schedule"].setdefault(rid, []).append((c, q, total, real, mode))
             # The kernel path of each fresh one-token row (the last time it was fresh: a
             # request preempted before its first token is fresh again when resumed).
             # ``one_token_paths`` says whether the step had prefills (the kernels, hence the
@@ -397,6 +406,9 @@ class StepTrace:
                     full_graph_prefill_rows=dict(state.get("full_graph_prefill_rows", {})),
                     # rows of steps gdn-pass kept off the speculative FULL graph (draftless_steps)
                     kept_off_full_graph_rows=dict(state.get("kept_off_full_graph_rows", {})),
+                    # per request, each step it ran in: (computed before, its tokens, the step's
+                    # tokens, the step's rows, the CUDA-graph mode)
+                    schedule=dict(state.get("schedule", {})),
                     # the plugin hook's count of rows to zero against this trace's, per step
                     hook_compared_steps=state.get("hook_compared", 0),
                     hook_disagreements=list(state.get("hook_disagreements", [])),

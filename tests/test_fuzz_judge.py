@@ -182,9 +182,10 @@ def test_a_large_move_is_not_excused_as_drift_even_when_not_repeated():
 # ``fuzz.fuzz`` over recorded engine outputs (``_run_engines`` replaced: no engine runs):
 # which stream is the footprint's baseline, and which requests it leaves out.
 
-def _stream_outputs(stream, reference, changed=None, fresh=None):
+def _stream_outputs(stream, reference, changed=None, fresh=None, schedule=None):
     """A stream engine's output: every request as its reference gives it (``changed``: rid ->
-    a logprob shift at position 0), and a trace naming ``fresh`` rid -> path."""
+    a logprob shift at position 0), and a trace naming ``fresh`` rid -> path (``schedule``: the
+    trace's rid -> steps, see ``fuzz_judge.schedule_moved``)."""
     results = {}
     for r in stream:
         ref = reference[json.dumps(list(r.prompt))]
@@ -192,7 +193,8 @@ def _stream_outputs(stream, reference, changed=None, fresh=None):
         lps[0] += (changed or {}).get(r.rid, 0.0)
         results[r.rid] = dict(ref, logprobs=lps, cached_tokens=0, finished=True)
     trace = dict(steps=1, rows={}, fresh_decode_steps=1,
-                 fresh_reads={f"{rid}-0000abcd": path for rid, path in (fresh or {}).items()})
+                 fresh_reads={f"{rid}-0000abcd": path for rid, path in (fresh or {}).items()},
+                 schedule={f"{rid}-0000abcd": steps for rid, steps in (schedule or {}).items()})
     return dict(results=results, steps=1, preemptions=0, preempted_requests=0, preempted_ids=[],
                 preempted_at={}, prefix_cache_hits=0, traces=[trace], fresh_decode_steps=1, run_s=0.0)
 
@@ -285,6 +287,40 @@ def test_a_request_that_reads_what_the_caches_held_before_the_stream_is_not_the_
     else:
         assert s["perturbed_by_pass"] == {} and s["moved_by_residue"] == [residue]
         assert s["largest_shift_by_pass"] == 0.0 and footprint_problem(s) is None
+
+
+@pytest.mark.parametrize("batch", ["same", "other-before", "other-after"])
+def test_a_request_moved_with_the_batches_the_fix_changed_is_judged_by_its_isolated_run(
+        tmp_path, monkeypatch, batch):
+    """With MTP a repaired request accepts other drafts and the batches after it change: a request
+    that ran in another batch before its moved token is judged by its run alone (a near tie
+    there); one whose batches were the same up to that token, or differed only after it, stays
+    the pass's footprint."""
+    from harness import fuzz as fz
+
+    def streams(stream, ref):
+        moved, fixed = stream[3], stream[1].rid
+        p = len(moved.prompt)
+        # (tokens computed before, its tokens, the step's tokens, the step's rows, graph mode)
+        base = [[0, p, p + 2, 2, "PIECEWISE"], [p, 1, 2, 2, "FULL"]]
+        steps = {"same": base,
+                 # its prefill ran beside another row: the batch before its first token changed
+                 "other-before": [[0, p, p + 3, 2, "PIECEWISE"], [p, 1, 2, 2, "FULL"]],
+                 # only the step after its first token changed
+                 "other-after": [base[0], [p, 1, 3, 3, "FULL"]]}[batch]
+        return {"off": _stream_outputs(stream, ref, changed={fixed: 3.0}, fresh={fixed: "decode"},
+                                       schedule={moved.rid: base}),
+                "on": _stream_outputs(stream, ref, changed={moved.rid: 0.02}, fresh={fixed: "decode"},
+                                      schedule={moved.rid: steps})}
+
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on"), streams)
+    moved = stream[3].rid
+    if batch == "other-before":
+        assert s["moved_with_schedule"] == {moved: 0} and s["perturbed_by_pass"] == {}
+        assert footprint_problem(s) is None
+    else:
+        assert s["moved_with_schedule"] == {} and s["perturbed_by_pass"] == {moved: 0}
+        assert footprint_problem(s) is not None
 
 
 @pytest.mark.parametrize("acted_on", [False, True], ids=["not-acted-on", "acted-on"])
