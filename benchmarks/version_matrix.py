@@ -66,7 +66,7 @@ def gdn_entry(pass_on: dict) -> str:
     """What the pass on did with the GDN core ops, from its reports."""
     reads = [r for rep in gdn_pass.load_reports(pass_on["report_dir"]) for r in rep["reads"]]
     guarded = sum(r["action"] == "guarded_op" for r in reads)
-    stood_down = sum(r["action"] == "left_alone" and "routes fresh rows" in r.get("reason", "") for r in reads)
+    stood_down = sum(r["action"] == "not_needed" for r in reads)
     if guarded and not stood_down:
         return f"acts ({guarded} ops guarded)"
     if stood_down and not guarded:

@@ -28,7 +28,9 @@ class StateRead:
     kind: str  # "opaque_op" | "gather"
     op: str
     layer: str | None
-    action: str  # "guarded_gather" | "guarded_op" | "already_guarded" | "left_alone" | "not_state"
+    # "guarded_gather" | "guarded_op" | "already_guarded" | "not_needed" (the engine's own fix holds,
+    # the pass stands down) | "left_alone" (needed and not done: warned) | "not_state"
+    action: str
     reason: str
     guard: str | None = None  # "masked_load" | "where" | "guarded_op"
     cache: str | None = None  # dtype[shape] of the state tensor, when the graph shows it
@@ -59,9 +61,13 @@ class PassReport:
     def left_alone(self) -> list[StateRead]:
         return [r for r in self.reads if r.action == "left_alone"]
 
+    @property
+    def not_needed(self) -> list[StateRead]:
+        return [r for r in self.reads if r.action == "not_needed"]
+
     def summary(self) -> str:
         """The one line logged per compiled graph."""
-        if not self.guarded and not self.left_alone and not any(
+        if not self.guarded and not self.left_alone and not self.not_needed and not any(
             r.action == "already_guarded" for r in self.reads
         ):
             return (
@@ -73,6 +79,8 @@ class PassReport:
         already = sum(r.action == "already_guarded" for r in self.reads)
         if already:
             parts.append(f"{already} already guarded")
+        if self.not_needed:
+            parts.append(f"{len(self.not_needed)} not needed (the engine's own fix holds, see report)")
         if self.left_alone:
             parts.append(f"{len(self.left_alone)} LEFT UNGUARDED (see report)")
         parts.append(f"{self.num_nodes} nodes, {self.seconds * 1e3:.1f} ms")

@@ -223,7 +223,7 @@ class GDNStatePass(CustomGraphPass):
             return read
         stand_down = engine.guards.stand_down_reason(spec)
         if stand_down is not None:
-            read.reason = f"not needed: {stand_down}"
+            read.action, read.reason = "not_needed", f"not needed: {stand_down}"
             return read
         guarded = engine.guards.guarded_overload(op, spec)
         if node.target in _AUTO_FUNCTIONALIZED:

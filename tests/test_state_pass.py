@@ -1,6 +1,7 @@
 """GDNStatePass on graphs without GDN state: a reported no-op; uuid and pickling; engine ops
 known only through a registered engine adapter."""
 
+import logging
 import pickle
 
 import pytest
@@ -59,8 +60,11 @@ SPEC = opaque_ops.OpaqueStateOp(f"{_NS}::fake_gdn_core", ("x", "out", "layer_nam
 
 
 class FakeGuards:
+    def __init__(self, stand_down=None):
+        self.stand_down = stand_down
+
     def stand_down_reason(self, spec):
-        return None
+        return self.stand_down
 
     def guarded_overload(self, op, spec):
         assert op is CORE and spec is SPEC
@@ -79,9 +83,9 @@ def registry():
         live.update(kept)
 
 
-def adapter(behaviour=()):
+def adapter(behaviour=(), stand_down=None):
     return opaque_ops.EngineAdapter(namespace=_NS, name="tests.fake_engine", ops=(SPEC,),
-                                    guards=FakeGuards(), behaviour=behaviour)
+                                    guards=FakeGuards(stand_down), behaviour=behaviour)
 
 
 def engine_graph() -> torch.fx.Graph:
@@ -115,6 +119,21 @@ def test_a_registered_adapter_guards_its_ops(registry):
     g = engine_graph()
     (read,) = run(g).guarded
     assert read.action == "guarded_op" and [n.target for n in g.nodes if n.op == "call_function"] == [GUARDED]
+
+
+def test_an_op_the_engine_fixed_itself_is_reported_not_needed_without_a_warning(registry, caplog):
+    # vLLM 0.31+ GDN: the engine's own fix holds, the pass stands down. That is not a read left
+    # unguarded, and a user must not be told it is.
+    registry.register_engine(adapter(stand_down="the engine routes fresh rows itself"))
+    g = engine_graph()
+    before = str(g)
+    with caplog.at_level(logging.INFO, logger="gdn_pass"):
+        report = run(g)
+    assert str(g) == before and report.guarded == [] and report.left_alone == []
+    (read,) = report.not_needed
+    assert read.action == "not_needed" and read.reason == "not needed: the engine routes fresh rows itself"
+    assert "1 not needed" in report.summary() and "UNGUARDED" not in report.summary()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_an_adapter_registers_only_its_own_namespace(registry):
