@@ -296,8 +296,6 @@ def test_a_request_moved_with_the_batches_the_fix_changed_is_judged_by_its_isola
     that ran in another batch before its moved token is judged by its run alone (a near tie
     there); one whose batches were the same up to that token, or differed only after it, stays
     the pass's footprint."""
-    from harness import fuzz as fz
-
     def streams(stream, ref):
         moved, fixed = stream[3], stream[1].rid
         p = len(moved.prompt)
