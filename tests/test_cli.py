@@ -44,3 +44,18 @@ def test_unknown_model_says_what_to_do(capsys):
 def test_module_entry_point():
     proc = subprocess.run([sys.executable, "-m", "gdn_pass", "--help"], capture_output=True, text=True)
     assert proc.returncode == 0 and "report" in proc.stdout and "check" in proc.stdout
+
+
+def test_report_of_an_engine_whose_own_fix_holds_says_so(tmp_path, capsys):
+    """vLLM 0.31+ GDN: the pass found the core op and stood down; not "no GDN layer found"."""
+    from gdn_pass.cli import _print_vllm_reports
+    from gdn_pass.report import PassReport, StateRead
+
+    read = StateRead(node="core", kind="opaque_op", op="vllm::gdn_attention_core", layer="model.layers.0.linear_attn",
+                     action="not_needed", reason="not needed: vLLM routes fresh rows to its prefill path")
+    PassReport(pass_name="VllmGDNStatePass", pass_uuid="0" * 16, options={}, num_nodes=8, analyses=[],
+               reads=[read]).write(tmp_path)
+    assert _print_vllm_reports(str(tmp_path)) == 0
+    out = capsys.readouterr().out
+    assert "1 not needed" in out and "UNGUARDED" not in out
+    assert "this vLLM's own fix holds there" in out and "no GDN layer found" not in out
