@@ -28,7 +28,6 @@ Steps:
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import platform
 import statistics
@@ -55,40 +54,25 @@ class _Builder:
 def make_runner(max_rows: int):
     """A V1 runner with the state its graph choice reads, of an engine whose GDN builder asked
     for draftless steps to be kept off FULL graphs; and vLLM's two functions as installed."""
-    from vllm.config import CompilationConfig, CompilationMode, CUDAGraphMode, SchedulerConfig, VllmConfig
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.config import CompilationConfig, SchedulerConfig, VllmConfig
 
     from gdn_pass.vllm import VllmGDNStatePass, draftless_steps, support
+    from harness.v1_runner import graph_choosing_runner, runner_class, with_cuda_graphs
 
-    module, name = draftless_steps.RUNNER
-    runner_class = getattr(importlib.import_module(module), name)
+    cls = runner_class()
     # vLLM's _prepare_inputs needs a whole input batch: a no-op in its place, wrapped as vLLM's is
-    setattr(runner_class, draftless_steps._PREPARE, lambda self, scheduler_output, num_scheduled_tokens: None)
-    vllm_prepare = getattr(runner_class, draftless_steps._PREPARE)
-    vllm_choose = getattr(runner_class, draftless_steps._CHOOSE)
+    setattr(cls, draftless_steps._PREPARE, lambda self, scheduler_output, num_scheduled_tokens: None)
+    vllm_prepare, vllm_choose = getattr(cls, draftless_steps._PREPARE), getattr(cls, draftless_steps._CHOOSE)
     config = VllmConfig(
         compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()}),
         scheduler_config=SchedulerConfig(max_num_seqs=max_rows, max_num_batched_tokens=(1 + K) * max_rows,
                                          max_model_len=4 * max_rows, is_encoder_decoder=False))
-    c = config.compilation_config
-    # what VllmConfig sets up on CUDA (the CPU platform turns graphs off)
-    c.cudagraph_mode, c.mode = CUDAGraphMode.FULL_AND_PIECEWISE, CompilationMode.VLLM_COMPILE
-    c.splitting_ops = list(c._attention_ops)
-    c.cudagraph_capture_sizes = [1, 2, 4] + list(range(8, (1 + K) * max_rows + 1, 8))
-    c.max_cudagraph_capture_size = c.cudagraph_capture_sizes[-1]
-    dispatcher = CudagraphDispatcher(config)
-    dispatcher.initialize_cudagraph_keys(c.cudagraph_mode, 1 + K)
+    with_cuda_graphs(config, "FULL_AND_PIECEWISE", [1, 2, 4] + list(range(8, (1 + K) * max_rows + 1, 8)))
     builder = _Builder()  # GDN's, as it asks at start
     support.runs_v2_model_runner = lambda vllm_config: False  # this benchmark's runner is the V1 one
     draftless_steps.keep_off_full_graphs(builder, config)
     assert builder in draftless_steps._BUILDERS, "draftless_steps did not apply (see the warning above)"
-    runner = object.__new__(runner_class)
-    runner.__dict__.update(
-        vllm_config=config, compilation_config=c, parallel_config=config.parallel_config,
-        model_config=SimpleNamespace(is_encoder_decoder=False), uniform_decode_query_len=1 + K,
-        input_batch=SimpleNamespace(lora_id_to_lora_request={}), cudagraph_dispatcher=dispatcher,
-        attn_groups=[[SimpleNamespace(metadata_builders=[builder])]],
-        num_decode_draft_tokens=SimpleNamespace(np=np.full(max_rows, K, dtype=np.int32)))
+    runner = graph_choosing_runner(config, [builder], speculative_tokens=K, draft_rows=max_rows)
     return runner, builder, vllm_prepare, vllm_choose
 
 

@@ -6,5 +6,6 @@
 - ``fuzz`` and ``fuzz_judge``: the seeded scheduling fuzz and how it judges
   a request; ``step_trace``: the worker extension that records each step;
 - ``serve_scenario``: the scenario through ``vllm serve``'s HTTP server;
-- ``coverage``: the README's family x mode coverage table.
+- ``coverage``: the README's family x mode coverage table;
+- ``v1_runner``: vLLM's V1 runner without a model, for its CUDA-graph choice.
 """

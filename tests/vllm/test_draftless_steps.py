@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from gdn_pass.vllm import draftless_steps, support
+from harness.v1_runner import graph_choosing_runner, runner_class, with_cuda_graphs
 from tests.vllm.test_metadata_hook import common_metadata, new_builder
 from tests.vllm.test_metadata_hook_row_kinds import engine_config, poisoned_caches
 
@@ -56,44 +57,18 @@ def prepare_draft_counts_as_vllm(self, scheduler_output, num_scheduled_tokens):
     self.num_decode_draft_tokens.np[: counts.size] = counts
 
 
-def runner_class():
-    import importlib
-
-    module, name = draftless_steps.RUNNER
-    return getattr(importlib.import_module(module), name)
-
-
 def engine(cudagraph_mode: str = "FULL_AND_PIECEWISE", *, configured: bool = True):
     """A speculating engine's config (graphs as the GPU has them) and its real GDN builder's step inputs."""
-    from vllm.config import CompilationMode, CUDAGraphMode
-
     config = engine_config("none", K)
     if not configured:
         config.compilation_config.inductor_compile_config.pop("post_grad_custom_post_pass")
-    c = config.compilation_config
-    c.cudagraph_mode = getattr(CUDAGraphMode, cudagraph_mode)
-    # what VllmConfig sets up on CUDA (the CPU platform turns graphs off)
-    c.mode = CompilationMode.VLLM_COMPILE
-    c.splitting_ops = list(c._attention_ops)
-    c.cudagraph_capture_sizes, c.max_cudagraph_capture_size = [1, 2, 4, 8], 8
-    return config
+    return with_cuda_graphs(config, cudagraph_mode, [1, 2, 4, 8])
 
 
 def runner_for(config, builders=()):
     """The V1 runner's state that its graph choice reads; its draft counts a past speculative
     step's (every row K drafts)."""
-    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-
-    dispatcher = CudagraphDispatcher(config)
-    dispatcher.initialize_cudagraph_keys(config.compilation_config.cudagraph_mode, 1 + K)
-    runner = object.__new__(runner_class())
-    runner.__dict__.update(
-        vllm_config=config, compilation_config=config.compilation_config, parallel_config=config.parallel_config,
-        model_config=SimpleNamespace(is_encoder_decoder=False), uniform_decode_query_len=1 + K,
-        input_batch=SimpleNamespace(lora_id_to_lora_request={}), cudagraph_dispatcher=dispatcher,
-        attn_groups=[[SimpleNamespace(metadata_builders=list(builders))]],
-        num_decode_draft_tokens=SimpleNamespace(np=np.full(8, K, dtype=np.int32)))
-    return runner
+    return graph_choosing_runner(config, builders, speculative_tokens=K, draft_rows=8)
 
 
 def graph_for(runner, query_lens: list[int], drafts: list[int], **force) -> str:
