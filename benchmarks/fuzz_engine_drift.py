@@ -11,15 +11,19 @@ cache of its own (as the fuzz's engines do), and compares every pair:
     fix_a, fix_b    pass off, the harness zeroing each fresh decode row's slot (fuzz.HARNESS_FIX)
     off             pass off
     clean           pass off on caches zeroed after start-up (fuzz.CLEAN_OFF)
+    on_det, off_det pass on / off with Inductor's deterministic mode (TORCHINDUCTOR_DETERMINISTIC=1:
+                    no on-device benchmarking picks a kernel's configuration, so every engine
+                    compiling one graph picks the same)
 
 A move that the pass makes shows up against every baseline engine in both
 pass-on engines; one engine's drift shows up in the pairs with that engine
-only. Engines that fix the bug are compared on every request; against pass
+only. Where on_a / on_b move against off but on_det equals off_det, the
+engines' own benchmarking-driven kernel choices made the move, not the pass. Engines that fix the bug are compared on every request; against pass
 off, the requests a guard acted on (or pass off read stale) are left out, as
 in the fuzz. GPU engines (vLLM 0.26 bundle on the H200, ``../shared/gpu-vllm``):
 
     python benchmarks/fuzz_engine_drift.py [--requests 80] [--limit 320] [--out DIR]
-        [--plan '{"preempt_prefix_hits": ["on_a", "on_b", "fix_a", "fix_b", "off"]}'] [--cpu]
+        [--plan '{"mtp": ["on_a", "on_b", "off", "clean", "on_det", "off_det"]}'] [--cpu]
 """
 
 from __future__ import annotations
@@ -44,7 +48,10 @@ from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 PLAN = {"preempt_prefix_hits": ["on_a", "on_b", "fix_a", "fix_b", "off"], "mtp": ["on_a", "on_b", "off", "clean"]}
 ENGINES = {"on_a": ("on", None), "on_b": ("on", None), "off": ("off", None),
            "fix_a": ("off", "harness_zeroing"), "fix_b": ("off", "harness_zeroing"),
-           "clean": ("off", "zeroed_at_start")}
+           "clean": ("off", "zeroed_at_start"), "on_det": ("on", None), "off_det": ("off", None)}
+# Engines whose Inductor picks kernel configurations without timing them (vLLM 0.34 then also turns
+# off its combo-kernel benchmarking, config/compilation.py; 0.26 keeps it on).
+INDUCTOR_DETERMINISTIC = {"on_det", "off_det"}
 
 
 def _read_fresh(run: dict) -> set[str]:
@@ -97,8 +104,11 @@ def main() -> int:
                         trace_detail=name in ("on_a", "fix_a"),
                         report_dir=str(args.workdir / f"reports_{config}_{name}"))
             engine = f"{config}_{name}"
+            engine_env = {} if args.cpu else env(engine)
+            if name in INDUCTOR_DETERMINISTIC:
+                engine_env = {**engine_env, "TORCHINDUCTOR_DETERMINISTIC": "1"}
             started.append((config, name, fz._start_engine(spec, args.workdir, engine, sys.executable,
-                                                           {} if args.cpu else env(engine))))
+                                                           engine_env)))
     print(f"started {len(started)} engines", flush=True)
     runs: dict[str, dict[str, dict]] = {config: {} for config in args.plan}
     for config, name, (proc, log_file, out, log, _) in started:

@@ -52,3 +52,14 @@ def test_engines_that_fix_the_bug_are_compared_on_the_requests_they_fixed_too():
     # a pass-on engine that zeroed q2 differently from the harness's fix: a difference, not left out
     runs = {"on_a": engine(shift={"q2": (0, 0.25)}, fresh=["q2"]), "fix_a": engine(fresh=["q2"])}
     assert compare(runs)["pairs"]["on_a vs fix_a"]["moved"] == {"q2": 0}
+
+
+def test_inductor_deterministic_engines_are_judged_as_their_guard_says():
+    # on_det acted on q2 (pass off read it stale): left out against off_det only; on_det's own drift
+    # on q3 shows against every engine
+    runs = {"on_det": engine(shift={"q3": (1, 0.5)}, fresh=["q2"]), "off_det": engine(shift={"q2": (0, 2.0)}),
+            "on_a": engine(fresh=["q2"])}
+    found = compare(runs)
+    assert found["acted_on"] == ["q2"]
+    moved = {pair: result["moved"] for pair, result in found["pairs"].items()}
+    assert moved == {"on_det vs off_det": {"q3": 1}, "on_det vs on_a": {"q3": 1}, "off_det vs on_a": {}}
