@@ -11,6 +11,7 @@ cache of its own (as the fuzz's engines do), and compares every pair:
     fix_a, fix_b    pass off, the harness zeroing each fresh decode row's slot (fuzz.HARNESS_FIX)
     off             pass off
     clean           pass off on caches zeroed after start-up (fuzz.CLEAN_OFF)
+    on_clean        pass on on caches zeroed after start-up (what the fuzz runs again against clean)
     on_det, off_det pass on / off with Inductor's deterministic mode (TORCHINDUCTOR_DETERMINISTIC=1:
                     no on-device benchmarking picks a kernel's configuration, so every engine
                     compiling one graph picks the same)
@@ -18,12 +19,14 @@ cache of its own (as the fuzz's engines do), and compares every pair:
 A move that the pass makes shows up against every baseline engine in both
 pass-on engines; one engine's drift shows up in the pairs with that engine
 only. Where on_a / on_b move against off but on_det equals off_det, the
-engines' own benchmarking-driven kernel choices made the move, not the pass. Engines that fix the bug are compared on every request; against pass
-off, the requests a guard acted on (or pass off read stale) are left out, as
-in the fuzz. GPU engines (vLLM 0.26 bundle on the H200, ``../shared/gpu-vllm``):
+engines' own benchmarking-driven kernel choices made the move, not the pass;
+where on_clean equals clean, what the caches held before the stream made it.
+Engines that fix the bug are compared on every request; against pass off, the
+requests a guard acted on (or pass off read stale) are left out, as in the
+fuzz. GPU engines (vLLM 0.26 bundle or the 0.34 stack, ``../shared/gpu-vllm``):
 
     python benchmarks/fuzz_engine_drift.py [--requests 80] [--limit 320] [--out DIR]
-        [--plan '{"mtp": ["on_a", "on_b", "off", "clean", "on_det", "off_det"]}'] [--cpu]
+        [--plan '{"mtp": ["on_a", "on_b", "off", "clean", "on_clean", "on_det", "off_det"]}'] [--cpu]
 """
 
 from __future__ import annotations
@@ -48,7 +51,8 @@ from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 PLAN = {"preempt_prefix_hits": ["on_a", "on_b", "fix_a", "fix_b", "off"], "mtp": ["on_a", "on_b", "off", "clean"]}
 ENGINES = {"on_a": ("on", None), "on_b": ("on", None), "off": ("off", None),
            "fix_a": ("off", "harness_zeroing"), "fix_b": ("off", "harness_zeroing"),
-           "clean": ("off", "zeroed_at_start"), "on_det": ("on", None), "off_det": ("off", None)}
+           "clean": ("off", "zeroed_at_start"), "on_clean": ("on", "zeroed_at_start"),
+           "on_det": ("on", None), "off_det": ("off", None)}
 # Engines whose Inductor picks kernel configurations without timing them (vLLM 0.34 then also turns
 # off its combo-kernel benchmarking, config/compilation.py; 0.26 keeps it on).
 INDUCTOR_DETERMINISTIC = {"on_det", "off_det"}

@@ -468,7 +468,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     stream and the pass-on stream once more, each in a new engine, to tell the
     host's run-to-run noise (``summary["baseline_repeat"]``) and the engine's
     own drift (``summary["engine_drift"]``: moved requests the second pass-on
-    engine gives exactly as the baseline; ``summary["pass_on_vs_baseline_again"]``: what the
+    engine gives exactly as the baseline; against ``CLEAN_OFF`` that engine's caches are
+    zeroed after start-up too, ``summary["pass_on_repeat_guard"]``;
+    ``summary["pass_on_vs_baseline_again"]``: what the
     baseline's second engine gave differently from the first pass-on engine) from a footprint
     of the pass; ``pass_on``: which
     pass-on stream of ``guards`` is compared with the pass-off one. With
@@ -680,8 +682,20 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             progress(f"pass on moved {len(perturbed)} request(s) against {baseline} "
                      f"({_moved_ids(perturbed)}; largest {summary['largest_shift_by_pass']:.3g}): "
                      "that stream and pass on once more ...")
-            names = {g: f"stream_{config}_s{seed}_{g}_again" for g in (baseline, pass_on)}
-            again = _run_engines([(stream_specs[g], name) for g, name in names.items()], workdir, python,
+            # Against CLEAN_OFF, pass on runs again on caches zeroed after start-up as well: what the
+            # caches held before the stream depends on what each engine's start-up left in that memory
+            # (H100, vLLM 0.34, GDN mtp, pass standing down: pass on moved q33 #11 by 0.0278 against
+            # both pass-off engines, and again in a second engine with the same compiled kernels).
+            # A move the pass makes survives the zeroing; one made by that residue does not.
+            repeat_guard = pass_on
+            if baseline == CLEAN_OFF and not stream_specs[pass_on]["mutation"]:
+                repeat_guard = f"{pass_on}+{CLEAN_OFF.partition('+')[2]}"
+            summary["pass_on_repeat_guard"] = repeat_guard
+            specs = {baseline: stream_specs[baseline],
+                     pass_on: dict(stream_specs[pass_on], mutation=repeat_guard.partition("+")[2] or None)}
+            names = {baseline: f"stream_{config}_s{seed}_{baseline}_again",
+                     pass_on: f"stream_{config}_s{seed}_{repeat_guard}_again"}
+            again = _run_engines([(specs[g], name) for g, name in names.items()], workdir, python,
                                  parallel, engine_env)
             base_again, on_again = (again[names[g]]["results"] for g in (baseline, pass_on))
             left_out = acted_on | residue | set(rescheduled)

@@ -289,7 +289,8 @@ def footprint_problem(summary: dict) -> str | None:
     path (on hosts whose numerics depend on the other rows of a batch, the fixed
     rows' new tokens move them too). Where the pass moved a request, the
     fuzz ran the baseline and the pass-on stream once more, each in a new engine
-    (``repeat_baseline_if_perturbed``):
+    (``repeat_baseline_if_perturbed``; against ``CLEAN_OFF`` the pass-on one on caches zeroed
+    after start-up too, ``summary["pass_on_repeat_guard"]``):
 
     - every moved request came out of the second pass-on engine exactly as the
       baseline gave it (``engine_drift``) and none moved by more than

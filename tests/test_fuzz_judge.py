@@ -213,8 +213,10 @@ def _judge(tmp_path, monkeypatch, guards, streams, **fuzz_args):
             result([11 + i + k for k in range(n)], [-1.0 - i / 10] * n), max_tokens=r.max_tokens)
     (tmp_path / f"reference_{config}.json").write_text(json.dumps(reference))
     outputs = streams(stream, reference)
+    seen = fuzz_args.pop("seen", [])  # (engine name, its spec) of every engine started
 
     def run_engines(jobs, workdir, python, parallel, engine_env):
+        seen.extend((name, spec) for spec, name in jobs)
         return {name: outputs[name.split("_s0_", 1)[1]] for _spec, name in jobs}
 
     monkeypatch.setattr(fz, "_run_engines", run_engines)
@@ -386,3 +388,34 @@ def test_a_baseline_engine_that_moves_the_same_requests_is_compared_with_the_pas
     else:
         assert s["pass_on_vs_baseline_again"] == dict(perturbed={moved: 0}, largest_shift=0.03125)
         assert "exactly as the first pass-on engine" not in host_noise(s)
+
+
+@pytest.mark.parametrize("residue", [True, False], ids=["start-up-residue", "the-pass"])
+def test_against_a_clean_baseline_pass_on_runs_again_on_caches_zeroed_after_start_up(tmp_path, monkeypatch, residue):
+    """H100, vLLM 0.34, GDN mtp, the pass standing down: pass on moved q33 #11 against both pass-off
+    engines, and again in a second engine with the same kernels. Against CLEAN_OFF, the pass-on
+    stream runs again on zeroed caches: a move made by what its start-up left in the caches does not
+    survive that (the engine's, the check passes); a move of the pass does (the check fails)."""
+    from harness import fuzz as fz
+
+    def streams(stream, ref):
+        moved, fixed = stream[3].rid, stream[1].rid
+        clean = _stream_outputs(stream, ref, changed={fixed: 3.0}, fresh={fixed: "decode"})
+        on = _stream_outputs(stream, ref, changed={moved: 0.03125}, fresh={fixed: "decode"})
+        return {"off": clean, "on": on, fz.CLEAN_OFF: clean, f"{fz.CLEAN_OFF}_again": clean,
+                f"on+{fz.CLEAN_OFF.partition('+')[2]}_again": clean if residue else on}
+
+    seen = []
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.CLEAN_OFF), streams,
+                       repeat_baseline_if_perturbed=True, seen=seen)
+    moved = stream[3].rid
+    again = {name.split("_s0_", 1)[1]: spec for name, spec in seen if name.endswith("_again")}
+    assert again[f"{fz.CLEAN_OFF}_again"]["guard"] is False
+    on_again = again["on+zeroed_at_start_again"]
+    assert on_again["guard"] is True and on_again["mutation"] == "zeroed_at_start"
+    assert s["pass_on_repeat_guard"] == "on+zeroed_at_start"
+    assert s["footprint_baseline"] == fz.CLEAN_OFF and s["perturbed_by_pass"] == {moved: 0}
+    if residue:
+        assert s["engine_drift"] == {moved: 0} and footprint_problem(s) is None
+    else:
+        assert s["engine_drift"] == {} and "must leave alone" in footprint_problem(s)
