@@ -469,7 +469,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
     host's run-to-run noise (``summary["baseline_repeat"]``) and the engine's
     own drift (``summary["engine_drift"]``: moved requests the second pass-on
     engine gives exactly as the baseline; against ``CLEAN_OFF`` that engine's caches are
-    zeroed after start-up too, ``summary["pass_on_repeat_guard"]``;
+    zeroed after start-up too, ``summary["pass_on_repeat_guard"]``, and both start in their
+    first engines' compile caches, ``summary["repeat_compile_caches"]``;
     ``summary["pass_on_vs_baseline_again"]``: what the
     baseline's second engine gave differently from the first pass-on engine) from a footprint
     of the pass; ``pass_on``: which
@@ -686,7 +687,10 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             # caches held before the stream depends on what each engine's start-up left in that memory
             # (H100, vLLM 0.34, GDN mtp, pass standing down: pass on moved q33 #11 by 0.0278 against
             # both pass-off engines, and again in a second engine with the same compiled kernels).
-            # A move the pass makes survives the zeroing; one made by that residue does not.
+            # A move the pass makes survives the zeroing; one made by that residue does not. Those two
+            # engines start in their first engines' compile caches (on the GPU, seconds instead of
+            # minutes): the same kernels, so a kernel configuration an engine picked by timing it
+            # cannot explain a move away; only the residue can. New engines, new caches elsewhere.
             repeat_guard = pass_on
             if baseline == CLEAN_OFF and not stream_specs[pass_on]["mutation"]:
                 repeat_guard = f"{pass_on}+{CLEAN_OFF.partition('+')[2]}"
@@ -695,8 +699,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                      pass_on: dict(stream_specs[pass_on], mutation=repeat_guard.partition("+")[2] or None)}
             names = {baseline: f"stream_{config}_s{seed}_{baseline}_again",
                      pass_on: f"stream_{config}_s{seed}_{repeat_guard}_again"}
+            warm = repeat_guard != pass_on
+            summary["repeat_compile_caches"] = "the first engines'" if warm else "new"
+            first = {names[g]: f"stream_{config}_s{seed}_{g}" for g in names} if warm else {}
             again = _run_engines([(specs[g], name) for g, name in names.items()], workdir, python,
-                                 parallel, engine_env)
+                                 parallel, lambda name: engine_env(first.get(name, name)))
             base_again, on_again = (again[names[g]]["results"] for g in (baseline, pass_on))
             left_out = acted_on | residue | set(rescheduled)
             summary["baseline_repeat"] = _moves(base_run, base_again, left_out)

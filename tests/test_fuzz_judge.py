@@ -213,10 +213,10 @@ def _judge(tmp_path, monkeypatch, guards, streams, **fuzz_args):
             result([11 + i + k for k in range(n)], [-1.0 - i / 10] * n), max_tokens=r.max_tokens)
     (tmp_path / f"reference_{config}.json").write_text(json.dumps(reference))
     outputs = streams(stream, reference)
-    seen = fuzz_args.pop("seen", [])  # (engine name, its spec) of every engine started
+    seen = fuzz_args.pop("seen", [])  # (engine name, its spec, its environment) of every engine started
 
     def run_engines(jobs, workdir, python, parallel, engine_env):
-        seen.extend((name, spec) for spec, name in jobs)
+        seen.extend((name, spec, engine_env(name)) for spec, name in jobs)
         return {name: outputs[name.split("_s0_", 1)[1]] for _spec, name in jobs}
 
     monkeypatch.setattr(fz, "_run_engines", run_engines)
@@ -340,9 +340,14 @@ def test_the_fuzz_runs_pass_on_again_where_it_moved_a_request(tmp_path, monkeypa
                 "on": on, fz.HARNESS_FIX: fix, f"{fz.HARNESS_FIX}_again": fix,
                 "on_again": on if repeated else fix}
 
+    seen = []
     stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.HARNESS_FIX), streams,
-                       repeat_baseline_if_perturbed=True)
+                       repeat_baseline_if_perturbed=True, seen=seen, engine_env=lambda name: {"CACHE": name})
     moved = stream[1 if acted_on else 3].rid
+    # new engines in new compile caches: a kernel configuration one engine picked can differ there
+    assert {name: env["CACHE"] for name, _spec, env in seen if name.endswith("_again")} == {
+        name: name for name in (f"stream_prefix_caching_s0_{fz.HARNESS_FIX}_again", "stream_prefix_caching_s0_on_again")}
+    assert s["pass_on_repeat_guard"] == "on" and s["repeat_compile_caches"] == "new"
     assert s["footprint_baseline"] == fz.HARNESS_FIX and s["perturbed_by_pass"] == {moved: 0}
     assert s["baseline_repeat"] == dict(perturbed={}, largest_shift=0.0)
     if repeated:
@@ -407,13 +412,17 @@ def test_against_a_clean_baseline_pass_on_runs_again_on_caches_zeroed_after_star
 
     seen = []
     stream, s = _judge(tmp_path, monkeypatch, ("off", "on", fz.CLEAN_OFF), streams,
-                       repeat_baseline_if_perturbed=True, seen=seen)
+                       repeat_baseline_if_perturbed=True, seen=seen, engine_env=lambda name: {"CACHE": name})
     moved = stream[3].rid
-    again = {name.split("_s0_", 1)[1]: spec for name, spec in seen if name.endswith("_again")}
-    assert again[f"{fz.CLEAN_OFF}_again"]["guard"] is False
-    on_again = again["on+zeroed_at_start_again"]
+    again = {name.split("_s0_", 1)[1]: (spec, env) for name, spec, env in seen if name.endswith("_again")}
+    base_again, base_env = again[f"{fz.CLEAN_OFF}_again"]
+    assert base_again["guard"] is False and base_again["mutation"] == "zeroed_at_start"
+    on_again, on_env = again["on+zeroed_at_start_again"]
     assert on_again["guard"] is True and on_again["mutation"] == "zeroed_at_start"
-    assert s["pass_on_repeat_guard"] == "on+zeroed_at_start"
+    # each in its first engine's compile cache: the same kernels, only the start-up residue gone
+    assert base_env == {"CACHE": f"stream_prefix_caching_s0_{fz.CLEAN_OFF}"}
+    assert on_env == {"CACHE": "stream_prefix_caching_s0_on"}
+    assert s["pass_on_repeat_guard"] == "on+zeroed_at_start" and s["repeat_compile_caches"] == "the first engines'"
     assert s["footprint_baseline"] == fz.CLEAN_OFF and s["perturbed_by_pass"] == {moved: 0}
     if residue:
         assert s["engine_drift"] == {moved: 0} and footprint_problem(s) is None
