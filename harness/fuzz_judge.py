@@ -339,7 +339,8 @@ def host_noise(summary: dict) -> str | None:
     if drift and set(drift) == set(perturbed):
         notes.append(f"engine drift, not the pass: pass on vs {summary['footprint_baseline']} moved "
                      f"{len(perturbed)} request(s) {drift} (largest {summary['largest_shift_by_pass']:.3g}), "
-                     f"and a second pass-on engine gave each of them exactly as the baseline")
+                     f"and a second pass-on engine ({summary.get('pass_on_repeat_guard', 'on')}) gave each of "
+                     "them exactly as the baseline")
     repeat = summary.get("baseline_repeat", {}).get("perturbed")
     if repeat:
         # the moves the baseline's second engine made too, where it landed as the first pass-on engine did

@@ -426,5 +426,6 @@ def test_against_a_clean_baseline_pass_on_runs_again_on_caches_zeroed_after_star
     assert s["footprint_baseline"] == fz.CLEAN_OFF and s["perturbed_by_pass"] == {moved: 0}
     if residue:
         assert s["engine_drift"] == {moved: 0} and footprint_problem(s) is None
+        assert "second pass-on engine (on+zeroed_at_start)" in host_noise(s)
     else:
         assert s["engine_drift"] == {} and "must leave alone" in footprint_problem(s)
