@@ -26,7 +26,8 @@ blocks, and reports per step:
                          vllm_us when the hook never waits for the stream
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
-        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown] [--out DIR]
+        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown]
+        [--inference-host-tensors] [--out DIR]
 """
 
 from __future__ import annotations
@@ -83,18 +84,24 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
 class Steps:
     """One step's scheduler metadata, made anew per step from persistent buffers as vLLM's runner does."""
 
-    def __init__(self, batch: int, fresh: int, device: torch.device, padded_to: int | None = None):
+    def __init__(self, batch: int, fresh: int, device: torch.device, padded_to: int | None = None,
+                 inference: bool = False):
         """``padded_to``: the ``batch`` real rows padded to a captured FULL-graph size, as vLLM's
-        runner pads them (counted in ``num_reqs``, no token, sequence length 0, block 0)."""
+        runner pads them (counted in ``num_reqs``, no token, sequence length 0, block 0).
+        ``inference``: the host tensors are inference tensors (made under ``torch.inference_mode``,
+        no version counter), as vLLM 0.34's V2 runner makes them."""
         from vllm.v1.attention.backend import CommonAttentionMetadata
 
         self.cls = CommonAttentionMetadata
+        self.inference = inference
         rows = padded_to or batch
         computed = [0] * fresh + [17] * (batch - fresh)
         self.batch = rows
-        self.query_start_loc = torch.tensor(list(range(batch + 1)) + [batch] * (rows - batch), dtype=torch.int32)
+        with torch.inference_mode(inference):
+            self.query_start_loc = torch.tensor(list(range(batch + 1)) + [batch] * (rows - batch),
+                                                dtype=torch.int32)
+            self.seq_lens_cpu = torch.tensor([c + 1 for c in computed] + [0] * (rows - batch), dtype=torch.int32)
         self.query_start_loc_gpu = self.query_start_loc.to(device)
-        self.seq_lens_cpu = torch.tensor([c + 1 for c in computed] + [0] * (rows - batch), dtype=torch.int32)
         self.seq_lens = self.seq_lens_cpu.to(device)
         self.max_seq_len = int(self.seq_lens_cpu.max())
         blocks = list(range(1, batch + 1)) + [0] * (rows - batch)
@@ -103,6 +110,10 @@ class Steps:
 
     def common(self):
         n = self.batch
+        with torch.inference_mode(self.inference):
+            return self._common(n)
+
+    def _common(self, n: int):
         return self.cls(
             query_start_loc=self.query_start_loc_gpu, query_start_loc_cpu=self.query_start_loc[: n + 1],
             seq_lens=self.seq_lens, num_reqs=n, num_actual_tokens=n, max_query_len=1,
@@ -213,6 +224,14 @@ def idle_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, flo
             lambda: getattr(state.forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache),
         "  setattr of the hand-off": best(lambda: setattr(metadata, "gdn_pass_handoff", state.idle)),
     }
+    if starts.is_inference():
+        def version_read_raising():  # what _step_key did for inference tensors before it asked is_inference()
+            try:
+                return starts._version
+            except RuntimeError:
+                return None
+
+        spent["    (a version counter read that raises, as _step_key read it before)"] = best(version_read_raising)
     rows.has_new_rows(common)
     return {name: round(us, 2) for name, us in spent.items()}
 
@@ -228,6 +247,8 @@ def main():
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each line of the short path of a step without new rows, alone")
+    ap.add_argument("--inference-host-tensors", action="store_true",
+                    help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -239,7 +260,7 @@ def main():
     cases = [(batch, fresh, None) for batch in args.batches for fresh in sorted({0, 1, batch // 2})]
     cases += [(real, 0, padded_to) for real, padded_to in padded]
     for batch, fresh, padded_to in cases:
-        steps = Steps(batch, fresh, device, padded_to)
+        steps = Steps(batch, fresh, device, padded_to, inference=args.inference_host_tensors)
         for _ in range(50):  # warm-up: caches, allocator, the owner's decision
             build_step(builders, steps, True)
         sync()
@@ -256,7 +277,8 @@ def main():
         print(json.dumps(row), flush=True)
     breakdown = {}
     if args.breakdown:
-        breakdown = idle_breakdown(builders, Steps(max(args.batches), 0, device))
+        breakdown = idle_breakdown(builders, Steps(max(args.batches), 0, device,
+                                                   inference=args.inference_host_tensors))
         print(json.dumps(breakdown, indent=1), flush=True)
     import vllm
 
@@ -264,10 +286,13 @@ def main():
                             cwd=Path(__file__).parent).stdout.strip()
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]), commit=commit,
                   groups=args.groups, layers_per_group=args.layers_per_group,
+                  inference_host_tensors=args.inference_host_tensors,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown)
     table = [f"{args.groups} GDN builders x {args.layers_per_group} layers per step, {result['device']}, "
-             f"vLLM {vllm.__version__}, commit {commit}", "",
+             f"vLLM {vllm.__version__}, commit {commit}"
+             + (", host tensors made under inference mode (vLLM 0.34's V2 runner)" if args.inference_host_tensors
+                else ""), "",
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
              "| one step behind 2 ms of GPU work, us |",
              "|---|---|---|---|---|---|"]

@@ -219,6 +219,11 @@ class SchedulerRows:
 # no later tensor can take their id) and their version counters.
 _last_step: list[SchedulerRows | None] = [None]
 _last_idle_key: list[tuple | None] = [None]
+# Set at the first inference host tensor met (``_step_key``): a runner that makes one makes them
+# every step, and reading their version counter raises, which costs about 6 us a build on a CPU host
+# (``hook_host_time.py --inference-host-tensors``); ``is_inference()`` asks in about 0.1 us.
+# Runners without them never pay the question.
+_inference_host: list[bool] = [False]
 
 
 def _is_step(key: tuple | None, common, starts_cpu: torch.Tensor) -> bool:
@@ -234,9 +239,12 @@ def _step_key(common, starts_cpu: torch.Tensor, tensor: torch.Tensor, field: str
     the tensors keep no version counter (inference tensors: vLLM 0.34's V2 runner makes its host
     tensors under ``inference_mode``). Without a key nothing is reused across builds: an in-place
     refill of the same tensors could not be told from the step before."""
+    if _inference_host[0] and (starts_cpu.is_inference() or tensor.is_inference()):
+        return None
     try:
         return (starts_cpu, starts_cpu._version, tensor, field, tensor._version, common.num_reqs)
     except RuntimeError:  # an inference tensor: "Inference tensors do not track version counter"
+        _inference_host[0] = True
         return None
 
 

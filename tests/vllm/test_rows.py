@@ -134,6 +134,26 @@ def test_inference_tensors_refilled_in_place_are_a_new_step():
     assert rows.has_new_rows(step([30, 0], [1, 1], "seq_lens_cpu")) is True  # outside inference mode too
 
 
+def test_once_an_inference_host_tensor_was_met_the_key_asks_first_and_other_tensors_still_get_keys(monkeypatch):
+    """The first inference host tensor's version read raises (about 6 us); from then on ``_step_key``
+    asks ``is_inference()`` instead. Host tensors that keep a version counter still get their key,
+    and a step of them is still found again by identity."""
+    monkeypatch.setattr(rows, "_inference_host", [False])
+    with torch.inference_mode():
+        inference = step([30, 12, 5], [1, 1, 1], "seq_lens_cpu")
+    for _ in range(2):
+        tensor, field = rows.host_lengths(inference)
+        assert rows._step_key(inference, inference.query_start_loc_cpu, tensor, field) is None
+        assert rows._inference_host == [True]
+    common = step([30, 12, 5], [1, 1, 1], "seq_lens_cpu")
+    tensor, field = rows.host_lengths(common)
+    key = rows._step_key(common, common.query_start_loc_cpu, tensor, field)
+    assert key is not None and key[0] is common.query_start_loc_cpu and key[2] is tensor
+    assert rows.has_new_rows(common) is False
+    monkeypatch.setattr(rows, "host_lengths", lambda c: pytest.fail("lengths read again"))
+    assert rows.has_new_rows(copy.copy(common)) is False  # a later group of the step: by identity
+
+
 def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
     """``decode_rows`` hands the zeroing launch vLLM's tensors only on steps without
     speculative rows whose tensors cover the decode rows; otherwise
