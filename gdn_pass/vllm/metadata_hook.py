@@ -44,7 +44,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, draftless_steps, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
-from gdn_pass.vllm.rows import has_new_rows
+from gdn_pass.vllm.rows import forget_build_rows, has_new_rows
 
 __all__ = ["BuilderState", "state_of", "install", "is_installed"]
 
@@ -210,6 +210,15 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         state.common = common
         setattr(metadata, ATTR, idle)
         return metadata
+    try:
+        return _stage_step(builder, state, original_build, args, kwargs, metadata, common, draft_counts)
+    finally:
+        forget_build_rows()
+
+
+def _stage_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata, common,
+                draft_counts):
+    """``_guard_step`` of a step with a new row, or of a builder's first build."""
     if draft_counts is _UNREAD:  # the step's inputs are read once per build
         common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     rows = state.rows

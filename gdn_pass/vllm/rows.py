@@ -224,6 +224,11 @@ _last_idle_key: list[tuple | None] = [None]
 # (``hook_host_time.py --inference-host-tensors``); ``is_inference()`` asks in about 0.1 us.
 # Runners without them never pay the question.
 _inference_host: list[bool] = [False]
+# The rows of the build in progress where the step's tensors keep no version counter (inference
+# tensors): the hook asks for them twice in one build (``has_new_rows``, then the entry's
+# ``stage_step``). Kept for that build only: ``has_new_rows``, the first thing each build asks,
+# forgets them, and so does the hook after a build it staged (``forget_build_rows``).
+_build_rows: list = [None, None]
 
 
 def _is_step(key: tuple | None, common, starts_cpu: torch.Tensor) -> bool:
@@ -259,6 +264,7 @@ def has_new_rows(common) -> bool:
     answer as ``scheduler_rows(common).num_new != 0`` on every step.
     """
     starts_cpu = common.query_start_loc_cpu
+    _build_rows[0] = None  # a new build: rows kept for an earlier one are not this one's
     # The identity tests first, inline: on a step's first build both fail at once.
     key = _last_idle_key[0]
     if key is not None and key[0] is starts_cpu and _is_step(key, common, starts_cpu):
@@ -306,6 +312,8 @@ def scheduler_rows(common) -> SchedulerRows:
     through a numpy view of them would not be seen, and vLLM's runners make
     new tensor objects instead).
     """
+    if _build_rows[0] is common:
+        return _build_rows[1]
     starts_cpu = common.query_start_loc_cpu
     last = _last_step[0]
     if last is not None and _is_step(last.key, common, starts_cpu):
@@ -327,7 +335,14 @@ def scheduler_rows(common) -> SchedulerRows:
     if tensor is not None:  # else the counts came from device tensors: not kept
         rows.key = _step_key(common, starts_cpu, tensor, field)
         _last_step[0] = rows
+        if rows.key is None:
+            _build_rows[0], _build_rows[1] = common, rows
     return rows
+
+
+def forget_build_rows() -> None:
+    """The build in progress is over: its rows (``_build_rows``) are no later build's."""
+    _build_rows[0] = _build_rows[1] = None
 
 
 def slot_count_error(kind: str, slots: int, rows: int) -> MetadataError:

@@ -154,6 +154,25 @@ def test_once_an_inference_host_tensor_was_met_the_key_asks_first_and_other_tens
     assert rows.has_new_rows(copy.copy(common)) is False  # a later group of the step: by identity
 
 
+def test_inference_tensors_rows_are_computed_once_per_build_and_not_kept_for_the_next(monkeypatch):
+    """Without version counters nothing is reused across builds, but within one build the hook asks
+    twice (``has_new_rows``, then the entry's ``stage_step``): the rows are computed once there. The
+    next build (``has_new_rows`` first) computes them again, so a refill in place is seen."""
+    computed_calls = []
+    real = rows.num_computed_tokens
+    monkeypatch.setattr(rows, "num_computed_tokens", lambda *a: computed_calls.append(1) or real(*a))
+    with torch.inference_mode():
+        common = step([30, 0, 5], [1, 1, 1], "seq_lens_cpu")
+        assert rows.has_new_rows(common) is True
+        first = rows.scheduler_rows(common)
+        assert first.new.tolist() == [False, True, False] and len(computed_calls) == 1
+        common.seq_lens_cpu[1] = 13  # the same tensors refilled in place: no row is new now
+        assert rows.has_new_rows(common) is False
+        assert rows.scheduler_rows(common).num_new == 0 and len(computed_calls) == 2
+        rows.forget_build_rows()
+        assert rows.scheduler_rows(common) is not first and len(computed_calls) == 3
+
+
 def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
     """``decode_rows`` hands the zeroing launch vLLM's tensors only on steps without
     speculative rows whose tensors cover the decode rows; otherwise
