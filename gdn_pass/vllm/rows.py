@@ -310,7 +310,9 @@ def scheduler_rows(common) -> SchedulerRows:
     by their version counters, which torch's in-place writes bump (a caller
     that refills the same tensors with torch ops gets fresh rows; writes
     through a numpy view of them would not be seen, and vLLM's runners make
-    new tensor objects instead).
+    new tensor objects instead). Tensors without version counters (inference
+    tensors: vLLM 0.34's V2 runner) get their rows once per build instead
+    (``_build_rows``).
     """
     if _build_rows[0] is common:
         return _build_rows[1]
