@@ -21,13 +21,16 @@ blocks, and reports per step:
     first / later        (steps without fresh rows) the hook's time in the step's
                          first build, which decides whether the step has a new
                          row, and in each later build, which reuses that
+    --forward            the hook's time includes the guarded ops of the step's
+                         forward (``Forward``): on CUDA, a step with fresh rows
+                         makes its zeroing launch(es) there
     busy_us              (CUDA, fresh steps) one step's builds with the hook,
                          enqueued behind a 2 ms GPU sleep: near hook_us +
                          vllm_us when the hook never waits for the stream
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
         [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown]
-        [--inference-host-tensors] [--out DIR]
+        [--inference-host-tensors] [--forward] [--out DIR]
 """
 
 from __future__ import annotations
@@ -121,21 +124,50 @@ class Steps:
             seq_lens_cpu_upper_bound=self.seq_lens_cpu[:n])
 
 
-def build_step(builders, steps: Steps, hooked: bool) -> None:
+class Forward:
+    """The step's forward as the guards see it (``--forward``): every layer's guarded op calls the op
+    guard (``op_guard.zero_fresh_state``) with the step's metadata, as a compiled engine's piecewise
+    forward does, so that a step with fresh rows makes its zeroing launches here. vLLM's forward
+    context is this object's (``get_forward_context`` replaced: what it costs is a global read)."""
+
+    def __init__(self, builders):
+        import vllm.forward_context
+
+        from gdn_pass.vllm import op_guard
+
+        self.zero = op_guard.zero_fresh_state
+        self.groups = [list(b.layer_names) for b in builders]
+        static = builders[0].vllm_config.compilation_config.static_forward_context
+        self.context = SimpleNamespace(no_compile_layers={n: static[n] for g in self.groups for n in g},
+                                       attn_metadata=None)
+        vllm.forward_context.get_forward_context = lambda: self.context
+
+    def run(self, metadata: list) -> None:
+        self.context.attn_metadata = {n: m for names, m in zip(self.groups, metadata) for n in names}
+        for names in self.groups:
+            for name in names:
+                self.zero(name)
+
+
+def build_step(builders, steps: Steps, hooked: bool, forward: Forward | None = None) -> None:
+    """One step's builds (and, hooked with ``forward``, its guarded ops)."""
     base = steps.common()
+    built = []
     for builder in builders:
         build = builder.build if hooked else builder.build.__wrapped__.__get__(builder)
-        build(common_prefix_len=0, common_attn_metadata=copy.copy(base))
+        built.append(build(common_prefix_len=0, common_attn_metadata=copy.copy(base)))
+    if hooked and forward is not None:
+        forward.run(built)
 
 
-def time_steps(builders, steps: Steps, repeat: int, sync) -> tuple[float, float]:
+def time_steps(builders, steps: Steps, repeat: int, sync, forward: Forward | None = None) -> tuple[float, float]:
     """Median us per step: (with the hook, vLLM's builds alone), interleaved in blocks of 20."""
     hooked, plain = [], []
     for _ in range(repeat // 20):
         for on, out in ((True, hooked), (False, plain)):
             start = time.perf_counter()
             for _ in range(20):
-                build_step(builders, steps, on)
+                build_step(builders, steps, on, forward)
             out.append((time.perf_counter() - start) / 20 * 1e6)
         sync()
     return statistics.median(hooked), statistics.median(plain)
@@ -165,7 +197,7 @@ def split_idle_us(builders, steps: Steps, repeat: int, sync) -> tuple[float, flo
     return statistics.median(first), statistics.median(later)
 
 
-def busy_step_us(builders, steps: Steps) -> float:
+def busy_step_us(builders, steps: Steps, forward: Forward | None = None) -> float:
     """Host time of one step's hooked builds enqueued behind 2 ms of GPU work."""
     torch.cuda.synchronize()
     cycles = int(torch.cuda.get_device_properties(0).clock_rate * 1e3 * 2e-3)  # kHz -> cycles in 2 ms
@@ -173,7 +205,7 @@ def busy_step_us(builders, steps: Steps) -> float:
     for _ in range(5):
         torch.cuda._sleep(cycles)
         start = time.perf_counter()
-        build_step(builders, steps, True)
+        build_step(builders, steps, True, forward)
         times.append((time.perf_counter() - start) * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
@@ -247,6 +279,10 @@ def main():
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each line of the short path of a step without new rows, alone")
+    ap.add_argument("--forward", action="store_true",
+                    help="with the hook, also run every layer's guarded op (the op guard) each step, as a "
+                         "compiled engine's piecewise forward does: a step with fresh rows makes its zeroing "
+                         "launches there")
     ap.add_argument("--inference-host-tensors", action="store_true",
                     help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
@@ -256,20 +292,21 @@ def main():
     padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
     builders = make_builders(device, max([*args.batches, *(p for _, p in padded)]) + 2, args.groups,
                              args.layers_per_group)
+    forward = Forward(builders) if args.forward else None
     rows = []
     cases = [(batch, fresh, None) for batch in args.batches for fresh in sorted({0, 1, batch // 2})]
     cases += [(real, 0, padded_to) for real, padded_to in padded]
     for batch, fresh, padded_to in cases:
         steps = Steps(batch, fresh, device, padded_to, inference=args.inference_host_tensors)
         for _ in range(50):  # warm-up: caches, allocator, the owner's decision
-            build_step(builders, steps, True)
+            build_step(builders, steps, True, forward)
         sync()
-        with_hook, alone = time_steps(builders, steps, args.repeat, sync)
+        with_hook, alone = time_steps(builders, steps, args.repeat, sync, forward)
         row = dict(batch=batch, fresh=fresh, vllm_us=round(alone, 1), hook_us=round(with_hook - alone, 1))
         if padded_to:
             row["padded_to"] = padded_to
         if cuda and fresh:
-            row["busy_us"] = round(busy_step_us(builders, steps), 1)
+            row["busy_us"] = round(busy_step_us(builders, steps, forward), 1)
         if not fresh:
             first_us, later_us = split_idle_us(builders, steps, args.repeat, sync)
             row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
@@ -286,13 +323,14 @@ def main():
                             cwd=Path(__file__).parent).stdout.strip()
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]), commit=commit,
                   groups=args.groups, layers_per_group=args.layers_per_group,
-                  inference_host_tensors=args.inference_host_tensors,
+                  inference_host_tensors=args.inference_host_tensors, forward=args.forward,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown)
     table = [f"{args.groups} GDN builders x {args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}"
              + (", host tensors made under inference mode (vLLM 0.34's V2 runner)" if args.inference_host_tensors
-                else ""), "",
+                else "")
+             + (", hook us/step with every layer's guarded op (the op guard's launches)" if args.forward else ""), "",
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
              "| one step behind 2 ms of GPU work, us |",
              "|---|---|---|---|---|---|"]

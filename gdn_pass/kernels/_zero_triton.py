@@ -83,3 +83,62 @@ def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, column_stride, co
     flags = (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
     zero_chunks(table_ptr, slot_ptr, slot_stride, column_stride, columns, rows, flags, num_caches, chunks,
                 chunk_words, BLOCK)
+
+
+# One group's slots: address (bytes), row stride, column stride (elements) and column count. Row counts,
+# strides and addresses vary from step to step: one compiled kernel for all of them.
+@triton.jit(do_not_specialize=["num_rows", "max_columns", "slots0", "row_stride0", "column_stride0", "columns0",
+                               "slots1", "row_stride1", "column_stride1", "columns1", "slots2", "row_stride2",
+                               "column_stride2", "columns2", "slots3", "row_stride3", "column_stride3", "columns3"])
+def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_rows, num_caches, max_columns, chunks,
+                                chunk_words, slots0, row_stride0, column_stride0, columns0, slots1, row_stride1,
+                                column_stride1, columns1, slots2, row_stride2, column_stride2, columns2, slots3,
+                                row_stride3, column_stride3, columns3, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                SLOTS_INT64: tl.constexpr):
+    """Grid ``(programs,)``: ``zero_new_rows_all_kernel`` for up to four groups of caches in one launch.
+
+    ``table_ptr``: ``[num_caches, 4]`` (address, slot stride, slot size, group); a cache of group ``g``
+    takes a new row's slots from group ``g``'s slot tensor (``slots<g>``, an address). Every group
+    shares the step's rows (``query_start_ptr``, ``seq_lens_ptr``, ``num_rows``)."""
+    rows = tl.arange(0, ROWS)
+    inside = rows < num_rows
+    starts = tl.load(query_start_ptr + rows, mask=inside, other=0)
+    ends = tl.load(query_start_ptr + rows + 1, mask=inside, other=0)
+    seq_lens = tl.load(seq_lens_ptr + rows, mask=inside, other=0)
+    query_lens = ends - starts
+    flags = (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
+    rank = tl.cumsum(flags, 0)
+    items_per_cache = max_columns * chunks
+    items_per_row = num_caches * items_per_cache
+    total = tl.sum(flags, 0) * items_per_row
+    for item in range(tl.program_id(0), total, tl.num_programs(0)):
+        k = item // items_per_row
+        rest = item - k * items_per_row
+        cache = rest // items_per_cache
+        rest = rest - cache * items_per_cache
+        column = rest // chunks
+        chunk = rest - column * chunks
+        row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0).to(tl.int64)
+        group = tl.load(table_ptr + cache * 4 + 3)
+        slots = tl.where(group == 0, slots0, tl.where(group == 1, slots1, tl.where(group == 2, slots2, slots3)))
+        row_stride = tl.where(group == 0, row_stride0, tl.where(group == 1, row_stride1,
+                                                                 tl.where(group == 2, row_stride2, row_stride3)))
+        column_stride = tl.where(group == 0, column_stride0, tl.where(
+            group == 1, column_stride1, tl.where(group == 2, column_stride2, column_stride3)))
+        columns = tl.where(group == 0, columns0, tl.where(group == 1, columns1, tl.where(group == 2, columns2, columns3)))
+        numel = tl.load(table_ptr + cache * 4 + 2)
+        start = chunk.to(tl.int64) * chunk_words
+        wanted = (column < columns) & (start < numel)  # groups have up to max_columns; small caches fewer chunks
+        offset = row * row_stride + column.to(tl.int64) * column_stride
+        if SLOTS_INT64:
+            slot = tl.load(slots.to(tl.pointer_type(tl.int64)) + offset, mask=wanted, other=-1)
+        else:
+            slot = tl.load(slots.to(tl.pointer_type(tl.int32)) + offset, mask=wanted, other=-1).to(tl.int64)
+        if wanted & (slot >= 0):  # -1: a padding sentinel
+            base = tl.load(table_ptr + cache * 4).to(tl.pointer_type(tl.int32))
+            stride = tl.load(table_ptr + cache * 4 + 1)
+            end = tl.minimum(start + chunk_words, numel)
+            zeros = tl.zeros([BLOCK], dtype=tl.int32)
+            for offset_words in range(start, end, BLOCK):
+                offs = offset_words + tl.arange(0, BLOCK)
+                tl.store(base + slot * stride + offs, zeros, mask=offs < end)

@@ -31,7 +31,11 @@ wave of programs that read ``fresh`` and exit.
 ``zero_new_rows_all`` is the same launch with ``fresh`` derived in the kernel
 from vLLM's own per-row lengths (a row whose tokens are all new), for steps
 whose rows read vLLM's ``non_spec_state_indices_tensor``: nothing to stage.
-Both launch through ``fast_launch``: after a kernel's first launch, its
+``zero_new_rows_groups`` is that launch for several groups of caches
+(vLLM's KV-cache groups of state layers: 3 in a 48-layer Qwen3-Next), each
+with its own slot tensor, sharing the step's rows: one launch per step
+whatever the number of groups (up to ``MAX_GROUPS`` per launch).
+All launch through ``fast_launch``: after a kernel's first launch, its
 compiled kernel's C launcher alone.
 
 The kernels are in ``gdn_pass.kernels._zero_triton``; it and Triton are imported
@@ -44,7 +48,8 @@ import torch
 
 from gdn_pass.kernels.fast_launch import Launcher
 
-__all__ = ["zero_rows", "zero_rows_all", "zero_new_rows_all", "CacheTable"]
+__all__ = ["zero_rows", "zero_rows_all", "zero_new_rows_all", "zero_new_rows_groups", "CacheTable",
+           "MAX_GROUPS"]
 
 _BLOCK = 1024
 # Programs per row: a row that is not fresh costs these many programs that
@@ -237,6 +242,92 @@ def zero_new_rows_all(table: CacheTable, slot: torch.Tensor, query_start_loc: to
 
 
 _new_rows_kernel = None  # fast_launch.Launcher of _zero_triton.zero_new_rows_all_kernel, once launched
+
+# Groups one launch of ``zero_new_rows_groups`` covers (the kernel takes each group's slot
+# tensor as four scalars); more groups take more launches.
+MAX_GROUPS = 4
+
+
+def zero_new_rows_groups(tables: list[CacheTable], slots: list[torch.Tensor], query_start_loc: torch.Tensor,
+                         seq_lens: torch.Tensor, num_rows: int, max_rows: int) -> int:
+    """``zero_new_rows_all`` for several groups of caches that share the step's rows; the launches made.
+
+    Group ``g``'s caches (``tables[g]``) take a new row's slots from
+    ``slots[g]``; the new rows are found once, from ``query_start_loc``,
+    ``seq_lens`` and ``num_rows`` as in ``zero_new_rows_all``::
+
+        for g, r in groups x rows:
+            if r < num_rows and 0 < query_len[r] == seq_lens[r]:
+                for cache in tables[g]: cache[slots[g][r, every column]] = 0
+
+    Args:
+        tables: one ``CacheTable`` per group (CUDA caches).
+        slots: one slot tensor per group, ``[>= num_rows]`` or ``[>= num_rows, columns]``, any
+            strides, all of one integer dtype (int32 or int64); columns may differ by group.
+        query_start_loc, seq_lens, num_rows, max_rows: as ``zero_new_rows_all``.
+
+    Guarantees: as ``zero_new_rows_all`` on each group, in ``ceil(groups / MAX_GROUPS)``
+    launches. The groups' merged table is made on the device the first time a set of
+    tables is seen (outside CUDA-graph capture: the caller's promise) and kept while
+    those tables live. ``ValueError`` for an empty or mismatched list, slots of
+    different dtypes, or rows that do not fit as in ``zero_new_rows_all``.
+    """
+    global _groups_kernel
+    if not tables or len(tables) != len(slots):
+        raise ValueError(f"{len(tables)} cache tables for {len(slots)} slot tensors")
+    dtype = slots[0].dtype
+    if dtype not in (torch.int32, torch.int64) or any(s.dtype != dtype for s in slots):
+        raise ValueError(f"the groups' slots must share one dtype, int32 or int64: {[s.dtype for s in slots]}")
+    if (any(s.dim() not in (1, 2) or s.shape[0] < num_rows for s in slots)
+            or (query_start_loc.dim(), seq_lens.dim()) != (1, 1)
+            or not 0 <= num_rows <= min(max_rows, seq_lens.numel(), query_start_loc.numel() - 1)):
+        raise ValueError(
+            f"{num_rows} rows do not fit max_rows={max_rows} and slots {[tuple(s.shape) for s in slots]} "
+            f"(1-D or 2-D), seq_lens {tuple(seq_lens.shape)}, query_start_loc {tuple(query_start_loc.shape)}")
+    if _groups_kernel is None:
+        _groups_kernel = Launcher(_kernels().zero_new_rows_groups_kernel)
+    block_rows = max(16, 1 << (max_rows - 1).bit_length())
+    launches = 0
+    for first in range(0, len(tables), MAX_GROUPS):
+        part = tables[first : first + MAX_GROUPS]
+        merged, num_caches, max_slot_words = _merged_table(part)
+        args = []
+        for s in slots[first : first + MAX_GROUPS]:
+            columns, column_stride = (1, 0) if s.dim() == 1 else (s.shape[1], s.stride(1))
+            args += (s.data_ptr(), s.stride(0), column_stride, columns)
+        max_columns = max(args[3::4])
+        args += args[:4] * (MAX_GROUPS - len(part))  # unused groups: no cache names them
+        chunks = max(1, -(-max_slot_words // _CHUNK_WORDS))
+        # Launcher key: the tensors' layout, the integers Triton specializes (the counts, constexprs),
+        # and whether each slot address needs 64 bits (Triton types an integer by its range).
+        key = (query_start_loc.get_device(), *_layout(merged, query_start_loc, seq_lens), num_caches, chunks,
+               _CHUNK_WORDS, block_rows, dtype, tuple(a > 0x7FFFFFFF for a in args[::4]))
+        _groups_kernel((_programs(query_start_loc.device), 1, 1), key, merged, query_start_loc, seq_lens, num_rows,
+                       num_caches, max_columns, chunks, _CHUNK_WORDS, *args, block_rows, _BLOCK,
+                       dtype == torch.int64)
+        launches += 1
+    return launches
+
+
+_groups_kernel = None  # fast_launch.Launcher of _zero_triton.zero_new_rows_groups_kernel, once launched
+# The merged tables of the last sets of groups seen: {ids of the tables: (the tables, merged, caches,
+# max slot words)}. Holding the tables keeps their ids from being reused; few sets are ever live
+# (one per engine), so the oldest is dropped past a handful.
+_merged: dict[tuple, tuple] = {}
+
+
+def _merged_table(tables: list[CacheTable]) -> tuple[torch.Tensor, int, int]:
+    """``[caches, 4]`` int64 on the caches' device: each table's rows with its group's index appended."""
+    key = tuple(id(t) for t in tables)
+    found = _merged.get(key)
+    if found is None:
+        parts = [torch.cat([t.table, torch.full_like(t.table[:, :1], g)], dim=1) for g, t in enumerate(tables)]
+        merged = torch.cat(parts).contiguous()
+        found = (list(tables), merged, merged.shape[0], max(t.max_slot_words for t in tables))
+        if len(_merged) >= 8:
+            _merged.pop(next(iter(_merged)))
+        _merged[key] = found
+    return found[1], found[2], found[3]
 
 
 def _layout(*tensors: torch.Tensor) -> tuple:

@@ -16,6 +16,15 @@ The metadata object is new for every step, so is its hand-off. Both guards
 zero through it (``StepHandoff.zero``): one launch over the group's cache
 table, or cache by cache; the fresh rows from vLLM's device tensors or from
 the staged rows. The three-way choice is made here only.
+
+A step with new decode rows in several groups that the op guard owns (a
+48-layer Qwen3-Next has three) is zeroed in one launch for all of them: the
+hook joins each group's hand-off to the step's ``JointZeroing`` as it builds
+(``join``), and the first guarded op of the step, which runs after every
+build, zeroes them together::
+
+    for group in groups: attach(metadata[group], join(step, StepHandoff(...)))   # the builds
+    first guarded op:    handoff.joint.zero()    # one launch, every group's slots; the rest skip
 """
 
 from __future__ import annotations
@@ -25,11 +34,12 @@ from collections.abc import Callable
 
 import torch
 
-from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_rows, zero_rows_all
+from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_new_rows_groups, zero_rows, zero_rows_all
+from gdn_pass._logging import logger
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
 
-__all__ = ["ATTR", "StepHandoff", "attach", "handoff_of", "new_decode_rows"]
+__all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "handoff_of", "join", "new_decode_rows"]
 
 # The one attribute of vLLM's metadata object that gdn-pass sets.
 ATTR = "gdn_pass_handoff"
@@ -75,6 +85,7 @@ class StepHandoff:
     zeroed_at_build: bool = False
     zeroed_by_op: bool = False
     in_capture: Callable[[object], StepHandoff] | None = None
+    joint: JointZeroing | None = None
 
     def zero(self, caches, *, whole_table: bool) -> int:
         """Zero this step's fresh slots; the launches made. Both guards zero through here.
@@ -96,6 +107,74 @@ class StepHandoff:
         for cache in caches:
             zero_rows(cache, slots, fresh)
         return len(caches)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class JointZeroing:
+    """One step's hand-offs whose new decode rows the first guarded op of the step zeroes together.
+
+    ``step``: what identifies the step (its ``rows.SchedulerRows``, one object
+    per step whatever the number of groups); ``handoffs``: the joined groups'
+    hand-offs, in build order, each with a ``table`` and ``decode``; ``done``:
+    set once they are zeroed (their ``zeroed_by_op`` too).
+    """
+
+    step: object
+    handoffs: list[StepHandoff] = dataclasses.field(default_factory=list)
+    done: bool = False
+
+    def zero(self) -> int:
+        """Zero every joined group's new decode rows; the launches made (one for up to
+        ``MAX_GROUPS`` groups that share the step's row tensors, as vLLM's runners hand every
+        group of a step; a group that does not share them gets a launch of its own)."""
+        shared, own = [], []
+        first = self.handoffs[0].decode
+        for handoff in self.handoffs:
+            decode = handoff.decode
+            same_rows = (decode.num_rows == first.num_rows and handoff.rows.max_rows == self.handoffs[0].rows.max_rows
+                         and decode.slots.dtype == first.slots.dtype
+                         and decode.query_start_loc.data_ptr() == first.query_start_loc.data_ptr()
+                         and decode.seq_lens.data_ptr() == first.seq_lens.data_ptr())
+            (shared if same_rows else own).append(handoff)
+        launches = 0
+        if len(shared) > 1 and _joint_launch[0]:
+            try:
+                launches += zero_new_rows_groups([h.table for h in shared], [h.decode.slots for h in shared],
+                                                 first.query_start_loc, first.seq_lens, first.num_rows,
+                                                 self.handoffs[0].rows.max_rows)
+                shared = []
+            except Exception as exc:  # noqa: BLE001 - inside the step: zero group by group instead
+                _joint_launch[0] = False
+                logger.warning("gdn-pass: the one zeroing launch for %d groups failed (%r); zeroing group "
+                               "by group from now on (one launch per group and step with new rows)",
+                               len(shared), exc)
+        own = shared + own
+        for handoff in own:
+            launches += handoff.zero((), whole_table=True)
+        for handoff in self.handoffs:
+            handoff.zeroed_by_op = True
+        self.done = True
+        return launches
+
+
+# The step whose hand-offs are being joined (``join``): the last one that had new decode rows.
+_joining: list[JointZeroing | None] = [None]
+# False once a joint launch raised (it runs inside the step, so it never raises into vLLM): every
+# group is then zeroed by a launch of its own, as before joint launches.
+_joint_launch: list[bool] = [True]
+
+
+def join(step, handoff: StepHandoff) -> StepHandoff:
+    """Join ``handoff`` (a group's, built for ``step``) to that step's ``JointZeroing``; return it.
+
+    The builds of a step come one after another, before its forward: a step
+    object other than the last one's starts a new joint."""
+    joint = _joining[0]
+    if joint is None or joint.step is not step or joint.done:
+        joint = _joining[0] = JointZeroing(step)
+    joint.handoffs.append(handoff)
+    handoff.joint = joint
+    return handoff
 
 
 def new_decode_rows(decode: DecodeRows) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,8 +43,8 @@ from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import builders, compat, draftless_steps, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
-from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach
-from gdn_pass.vllm.rows import forget_build_rows, has_new_rows
+from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, join
+from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
 
 __all__ = ["BuilderState", "state_of", "install", "is_installed"]
 
@@ -235,6 +235,9 @@ def _stage_step(builder, state: BuilderState, original_build, args: tuple, kwarg
     handoff = StepHandoff(rows, fresh, table, decode, step_owned)
     if step_owned:
         step_guard.zero_group(caches, handoff)
+    elif decode is not None and fresh:
+        # The op guard's first op of the step zeroes every group joined here in one launch.
+        join(scheduler_rows(common), handoff)
     return attach(metadata, handoff)
 
 

@@ -18,7 +18,9 @@ metadata what the metadata hook computed for the step
 A step whose metadata says no row is fresh (the host's count) launches
 nothing, except inside CUDA-graph capture. On CUDA the first guarded op
 of a step zeroes the fresh slots of every GDN layer that shares its
-metadata, in one launch; the others skip. Where the step guard owns the
+metadata, in one launch; the others skip. Where the step's new rows are
+vLLM's decode rows, that launch covers every group the hook joined
+(``handoff.JointZeroing``): one launch per step, not per group. Where the step guard owns the
 group (``step_guard``), the slots were zeroed at build time and the op
 guard does nothing.
 """
@@ -94,11 +96,16 @@ def zero_fresh_state(layer_name: str) -> None:
         attach(metadata, handoff)  # the group's other guarded ops find it done
     table = handoff.table
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
-        # One launch zeroes every GDN layer of this metadata's group; the
-        # group's other layers find it done (the hand-off is per step).
+        # One launch zeroes every GDN layer of this metadata's group (of every group the
+        # step's hand-offs joined, outside capture); the other layers find it done (the
+        # hand-off is per step).
         if not handoff.zeroed_by_op:
-            handoff.zero(layer.kv_cache, whole_table=True)
-            handoff.zeroed_by_op = True
+            joint = handoff.joint
+            if joint is not None and not joint.done and not _capturing():
+                joint.zero()
+            else:
+                handoff.zero(layer.kv_cache, whole_table=True)
+                handoff.zeroed_by_op = True
         return
     handoff.zero(layer.kv_cache, whole_table=False)
 

@@ -245,3 +245,48 @@ def test_launches_after_the_first_go_through_the_c_launcher_and_zero_the_same_ro
         assert_only_zeroed(layers, before, zeroed, f"{step} ({name})")
     launcher = zero_rows._new_rows_kernel
     assert launcher.fast_launches >= 40 - 2 * len(layouts), (launcher.fast_launches, launcher.triton_launches)
+
+
+@pytest.mark.parametrize("groups", [1, 3, 5])
+def test_one_launch_zeroes_the_new_rows_of_every_group(groups):
+    """``zero_new_rows_groups`` natively, step after step, as the op guard launches it for a step's
+    groups (a 48-layer Qwen3-Next has three): each group's own caches and slot tensor (a column of
+    its own block table; group 1's ``[rows, 2]``), one step's rows for all, int32 and int64 slots.
+    Each step must zero exactly each group's new rows' slots in that group's caches, as a naive
+    reference says; five groups take two launches; after a layout's first launch the launch
+    skips Triton's binder."""
+    from gdn_pass.kernels import zero_rows
+    from gdn_pass.kernels.zero_rows import zero_new_rows_groups
+
+    group_layers = [[layer_caches() for _ in range(2)] for _ in range(groups)]
+    tables = [CacheTable.build([t for conv, ssm, _ in layers for t in (conv, ssm)]) for layers in group_layers]
+    rng = random.Random(groups)
+    for step in range(24):
+        dtype = (torch.int32, torch.int64)[step % 2]
+        n = rng.randint(1, MAX_ROWS)
+        columns = [2 if g == 1 else 1 for g in range(groups)]
+        picked = [rng.sample(range(NUM_SLOTS), n * c) for c in columns]
+        slot_tensors = []
+        for g, c in enumerate(columns):
+            block_table = torch.full((MAX_ROWS, 3), -1, dtype=dtype)
+            for r in range(n):
+                block_table[r, :c] = torch.tensor(picked[g][r * c:(r + 1) * c])
+            block_table = block_table.cuda()
+            slot_tensors.append(block_table[:, 0] if c == 1 else block_table[:, :c])
+        new = [r < n and rng.random() < 0.4 for r in range(MAX_ROWS)]
+        seq_lens = torch.tensor([(1 if new[r] else rng.randint(2, 99)) if r < n else 0 for r in range(MAX_ROWS)],
+                                dtype=torch.int32, device="cuda")
+        starts = torch.tensor([min(r, n) for r in range(MAX_ROWS + 1)], dtype=torch.int32, device="cuda")
+        for layers in group_layers:
+            for conv, _, pool in layers:
+                conv.copy_(torch.randn_like(conv.float()).to(conv.dtype))
+                pool.copy_(torch.randn_like(pool))
+        before = [[(conv.clone(), pool.clone()) for conv, _, pool in layers] for layers in group_layers]
+        launches = zero_new_rows_groups(tables, slot_tensors, starts, seq_lens, n, MAX_ROWS)
+        torch.cuda.synchronize()
+        assert launches == -(-groups // zero_rows.MAX_GROUPS)
+        for g, layers in enumerate(group_layers):
+            zeroed = {picked[g][r * columns[g] + c] for r in range(n) if new[r] for c in range(columns[g])}
+            assert_only_zeroed(layers, before[g], zeroed, f"{step}, group {g}")
+    launcher = zero_rows._groups_kernel
+    assert launcher.fast_launches >= launcher.triton_launches, (launcher.fast_launches, launcher.triton_launches)

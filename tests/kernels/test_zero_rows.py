@@ -26,7 +26,7 @@ from tests.vllm.cuda_zeroing import cpu_table
 pytest.importorskip("triton")
 
 from gdn_pass.kernels import zero_rows  # noqa: E402
-from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_rows_all  # noqa: E402
+from gdn_pass.kernels.zero_rows import zero_new_rows_all, zero_new_rows_groups, zero_rows_all  # noqa: E402
 
 NUM_SLOTS = 40
 RECURRENT_WORDS = 700  # 11 chunks of 64 words, the last one ragged
@@ -114,6 +114,63 @@ def check_new_rows_case(max_rows: int, programs: int, share: float, columns: int
     return errors
 
 
+def check_groups_case(max_rows: int, programs: int, share: float, groups: int = 3) -> list[str]:
+    """``zero_new_rows_groups``: three steps of one case over ``groups`` groups of caches, each with
+    its own slot tensor (a column of its own block table; group 1's ``[rows, 2]``, a speculative
+    builder's; group 2's ``[rows, 1]``, with more columns beside it in the block table), sharing the
+    step's rows; what went wrong. Run with the interpreter on."""
+    zero_rows._programs = lambda device: programs
+    zero_rows._CHUNK_WORDS = 64
+    rng = random.Random(max_rows * 10000 + programs * 10 + groups)
+    columns = [2 if g == 1 else 1 for g in range(groups)]
+    pools = [torch.randn(NUM_SLOTS * 2 + 1, RECURRENT_WORDS + 13) for _ in range(groups)]  # row 0: before slot 0
+    convs = [torch.randn(NUM_SLOTS * 2, 5, 3) for _ in range(groups)]  # a small second cache per group
+    tables = [cpu_table([pool[1:, :RECURRENT_WORDS], conv]) for pool, conv in zip(pools, convs)]
+    errors = []
+    for step in range(3):
+        padded = rng.randint(1, max_rows)
+        real = rng.randint(0, padded)
+        decodes = rng.randint(0, real)
+        query_lens = [rng.choice([1, 1, 1, 3]) if r < real else 0 for r in range(padded)]
+        new = [r < real and rng.random() < share for r in range(padded)]
+        seq_lens = [q if n else q + rng.randint(1, 50) for q, n in zip(query_lens, new)]
+        slots = []  # per group, per row: its columns' slots (each group's blocks of its own)
+        for g in range(groups):
+            flat = rng.sample(range(NUM_SLOTS * 2), padded * columns[g])
+            slots.append([flat[r * columns[g] : (r + 1) * columns[g]] for r in range(padded)])
+        if step == 1 and decodes:
+            slots[0][0], new[0], seq_lens[0] = [-1] * columns[0], True, query_lens[0]  # PAD_SLOT_ID in group 0
+        slot_tensors = []
+        for g in range(groups):
+            block_table = torch.tensor([[*row, 7, 7, 7] for row in slots[g]], dtype=torch.int32)
+            # group 2: one column as a 2-D view, whose neighbor column (slot 7) a new row must not zero
+            slot_tensors.append(block_table[:, 0] if columns[g] == 1 and g != 2 else block_table[:, : columns[g]])
+        starts = torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+        for pool, conv in zip(pools, convs):
+            pool.copy_(torch.randn(pool.shape))
+            conv.copy_(torch.randn(conv.shape))
+        old = [(pool.clone(), conv.clone()) for pool, conv in zip(pools, convs)]
+        launches = zero_new_rows_groups(tables, slot_tensors, starts, torch.tensor(seq_lens, dtype=torch.int32),
+                                        decodes, max_rows)
+        if launches != -(-groups // zero_rows.MAX_GROUPS):
+            errors.append(f"step {step}: {launches} launches for {groups} groups")
+        for g in range(groups):
+            zeroed = {s for r, row in enumerate(slots[g]) for s in row
+                      if r < decodes and query_lens[r] > 0 and seq_lens[r] == query_lens[r] and s >= 0}
+            pool, conv = pools[g], convs[g]
+            if not torch.equal(pool[0], old[g][0][0]):
+                errors.append(f"step {step}: group {g} wrote the memory before slot 0")
+            for s in range(NUM_SLOTS * 2):
+                if s in zeroed:
+                    if not (pool[s + 1, :RECURRENT_WORDS].eq(0).all() and conv[s].eq(0).all()):
+                        errors.append(f"step {step}: group {g}'s new row slot {s} not zeroed")
+                    if not torch.equal(pool[s + 1, RECURRENT_WORDS:], old[g][0][s + 1, RECURRENT_WORDS:]):
+                        errors.append(f"step {step}: group {g} wrote past slot {s}")
+                elif not (torch.equal(pool[s + 1], old[g][0][s + 1]) and torch.equal(conv[s], old[g][1][s])):
+                    errors.append(f"step {step}: group {g}'s slot {s} changed, not a new decode row")
+    return errors
+
+
 @pytest.fixture(scope="module")
 def interpreted_results():
     return run_in_interpreter(__file__)
@@ -134,6 +191,25 @@ def test_every_slot_column_of_a_new_row(interpreted_results, case):
     assert interpreted_results["new2 " + json.dumps(case)] == []
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"rows{c[0]}-programs{c[1]}-new{c[2]}")
+def test_new_rows_of_several_groups_in_one_launch(interpreted_results, case):
+    assert interpreted_results["groups " + json.dumps(case)] == []
+
+
+def test_more_groups_than_one_launch_takes(interpreted_results):
+    assert interpreted_results["groups5"] == []
+
+
+def test_groups_slots_must_share_a_dtype():
+    tables = [cpu_table([torch.zeros(4, 64)]) for _ in range(2)]
+    starts, lens = torch.zeros(3, dtype=torch.int32), torch.ones(2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="one dtype"):
+        zero_new_rows_groups(tables, [torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int64)],
+                             starts, lens, 2, 4)
+    with pytest.raises(ValueError, match="2 cache tables for 1 slot tensors"):
+        zero_new_rows_groups(tables, [torch.zeros(2, dtype=torch.int32)], starts, lens, 2, 4)
+
+
 def test_new_rows_must_fit_the_row_block():
     table = cpu_table([torch.zeros(4, 64)])
     starts, lens = torch.zeros(6, dtype=torch.int32), torch.ones(5, dtype=torch.int32)
@@ -152,4 +228,6 @@ if __name__ == "__main__":  # the subprocess: every case, its errors as one JSON
     results = {json.dumps(case): check_case(*case) for case in CASES}
     results.update({"new " + json.dumps(case): check_new_rows_case(*case) for case in CASES})
     results.update({"new2 " + json.dumps(case): check_new_rows_case(*case, columns=2) for case in CASES})
+    results.update({"groups " + json.dumps(case): check_groups_case(*case) for case in CASES})
+    results["groups5"] = check_groups_case(9, 4, 0.5, groups=5)
     print(json.dumps(results))

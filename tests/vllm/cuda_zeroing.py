@@ -42,8 +42,9 @@ def cpu_table(caches: list[torch.Tensor]) -> CacheTable:
 
 def zeroing_guard(monkeypatch) -> list:
     """Name the guard behind each zeroing: a one-item list holding "step" (the step guard zeroes
-    at build: its hand-off says ``zeroed_at_build``) or "op" while ``StepHandoff.zero`` runs."""
-    from gdn_pass.vllm.handoff import StepHandoff
+    at build: its hand-off says ``zeroed_at_build``) or "op" while ``StepHandoff.zero`` or the op
+    guard's joint zeroing of a step's groups (``JointZeroing.zero``) runs."""
+    from gdn_pass.vllm.handoff import JointZeroing, StepHandoff
 
     who = [None]
     original = StepHandoff.zero
@@ -56,6 +57,16 @@ def zeroing_guard(monkeypatch) -> list:
             who[0] = None
 
     monkeypatch.setattr(StepHandoff, "zero", zero)
+    original_joint = JointZeroing.zero
+
+    def zero_joint(self):
+        who[0] = "op"
+        try:
+            return original_joint(self)
+        finally:
+            who[0] = None
+
+    monkeypatch.setattr(JointZeroing, "zero", zero_joint)
     return who
 
 
@@ -83,6 +94,13 @@ def take_the_cuda_path(monkeypatch, launches: list) -> None:
         return original(table, *args)
 
     monkeypatch.setattr(handoff, "zero_new_rows_all", recorded)
+    original_groups = handoff.zero_new_rows_groups
+
+    def recorded_groups(tables, *args):
+        launches.extend((who[0], cache.data_ptr()) for table in tables for cache in table.caches)
+        return original_groups(tables, *args)
+
+    monkeypatch.setattr(handoff, "zero_new_rows_groups", recorded_groups)
     monkeypatch.setattr(handoff, "zero_rows_all", forbidden("zero_rows_all"))
     monkeypatch.setattr(handoff, "zero_rows", forbidden("zero_rows"))
 

@@ -73,3 +73,79 @@ def test_zero_cache_by_cache_from_vllms_decode_rows():
     caches = _caches()
     assert StepHandoff(rows, host_fresh=1, decode=decode).zero(caches, whole_table=False) == 2
     assert _zeroed_slots(caches) == [[1, 5], [1, 5]]
+
+
+def _decode_handoffs(groups: int, *, own_rows_for: int | None = None):
+    """``groups`` op-guard hand-offs of one step, each with its group's slots and (fake) table;
+    group ``own_rows_for`` reads row tensors of its own (equal values, another tensor)."""
+    import torch
+
+    from gdn_pass.vllm.rows import DecodeRows
+
+    starts = torch.tensor([0, 1, 2, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([9, 1, 4], dtype=torch.int32)
+    made = []
+    for g in range(groups):
+        own = g == own_rows_for
+        decode = DecodeRows(slots=torch.tensor([1, 2, 3], dtype=torch.int32) + g,
+                            query_start_loc=starts.clone() if own else starts,
+                            seq_lens=seq_lens.clone() if own else seq_lens, num_rows=3)
+        made.append(StepHandoff(StagedRowMetadata(8), host_fresh=1, table=SimpleNamespace(group=g), decode=decode))
+    return made
+
+
+def _record_launches(monkeypatch, *, joint_raises: bool = False) -> list:
+    launches = []
+
+    def joint(tables, slots, starts, seq_lens, num_rows, max_rows):
+        if joint_raises:
+            raise RuntimeError("no such kernel")
+        launches.append(("joint", [t.group for t in tables], [s.tolist() for s in slots], num_rows, max_rows))
+        return 1
+
+    def one(table, slots, starts, seq_lens, num_rows, max_rows):
+        launches.append(("one", table.group))
+
+    monkeypatch.setattr(handoff, "zero_new_rows_groups", joint)
+    monkeypatch.setattr(handoff, "zero_new_rows_all", one)
+    monkeypatch.setattr(handoff, "_joint_launch", [True])
+    return launches
+
+
+def test_a_steps_joined_groups_are_zeroed_in_one_launch(monkeypatch):
+    """The builds of one step join one ``JointZeroing``; its zeroing is one launch over every
+    group's table, each with its own slots, and marks every hand-off done."""
+    launches = _record_launches(monkeypatch)
+    monkeypatch.setattr(handoff, "_joining", [None])
+    step = object()
+    made = [handoff.join(step, h) for h in _decode_handoffs(3)]
+    joint = made[0].joint
+    assert all(h.joint is joint for h in made) and joint.handoffs == made
+    assert joint.zero() == 1
+    assert launches == [("joint", [0, 1, 2], [[1, 2, 3], [2, 3, 4], [3, 4, 5]], 3, 8)]
+    assert joint.done and all(h.zeroed_by_op for h in made)
+    later = handoff.join(object(), _decode_handoffs(1)[0])  # the next step: a joint of its own
+    assert later.joint is not joint and later.joint.handoffs == [later]
+
+
+def test_a_group_with_row_tensors_of_its_own_gets_a_launch_of_its_own(monkeypatch):
+    launches = _record_launches(monkeypatch)
+    joint = handoff.JointZeroing(object(), _decode_handoffs(3, own_rows_for=1))
+    assert joint.zero() == 2
+    assert launches == [("joint", [0, 2], [[1, 2, 3], [3, 4, 5]], 3, 8), ("one", 1)]
+
+
+def test_a_joint_launch_that_raises_falls_back_to_a_launch_per_group(monkeypatch, caplog):
+    """The joint launch runs inside the step: an error there (a kernel this Triton cannot compile)
+    must not reach vLLM. Every group is zeroed by a launch of its own, then and from then on."""
+    import logging
+
+    launches = _record_launches(monkeypatch, joint_raises=True)
+    with caplog.at_level(logging.WARNING, logger="gdn_pass"):
+        assert handoff.JointZeroing(object(), _decode_handoffs(3)).zero() == 3
+    assert launches == [("one", 0), ("one", 1), ("one", 2)]
+    assert "zeroing group by group from now on" in caplog.text
+    assert handoff._joint_launch == [False]
+    launches.clear()
+    handoff.JointZeroing(object(), _decode_handoffs(2)).zero()
+    assert launches == [("one", 0), ("one", 1)]

@@ -6,7 +6,8 @@ owns the group (eager engine, compiled with every layer behind a guarded op,
 compiled with a layer no guarded op reaches) and checks, on poisoned caches, that
 every fresh slot is zeroed exactly once per step, by exactly one guard, and
 nothing else is touched. Every case runs again on the CUDA path (one launch per
-group, the fresh rows found in vLLM's device tensors), in Triton's interpreter.
+group, or per step where the op guard owns several groups; the fresh rows found in
+vLLM's device tensors), in Triton's interpreter.
 """
 
 from types import SimpleNamespace
@@ -140,6 +141,48 @@ def test_compiled_engine_with_every_layer_behind_a_guarded_op_leaves_it_to_the_o
     assert {who for who, _ in zero_calls} == {"op"}
 
 
+def test_compiled_engine_zeroes_every_group_of_a_step_in_one_launch(monkeypatch, guarded, zero_calls):
+    """A 48-layer Qwen3-Next has three groups of GDN layers, one builder each, built one after
+    another for every step (a shallow copy of the step's metadata with the group's own block
+    table) before the forward. On the CUDA path the first guarded op of the step zeroes the new
+    row's slot of every group (each group's own block) in one launch; the other ops skip."""
+    import dataclasses
+
+    from gdn_pass.vllm import handoff
+
+    groups = [[f"model.layers.{3 * g + i}.linear_attn" for i in range(3)] for g in range(3)]
+    built = [engine(monkeypatch, compiled=True, layer_names=names) for names in groups]
+    layers = {name: layer for _, group_layers in built for name, layer in group_layers.items()}
+    warm_up(monkeypatch, layers, covered=list(layers))
+    joint_launches = []
+    if on_the_cuda_path():
+        original = handoff.zero_new_rows_groups
+        monkeypatch.setattr(handoff, "zero_new_rows_groups",
+                            lambda tables, *a: joint_launches.append(len(tables)) or original(tables, *a))
+    step = bug_step()
+    metadata = {}
+    for g, (builder, group_layers) in enumerate(built):  # group g's rows own blocks 3+g, 4+g, 5+g
+        common = dataclasses.replace(step, block_table_tensor=step.block_table_tensor + g)
+        built_metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
+        assert metadata_hook.state_of(builder).owner is Owner.OP
+        metadata.update({name: built_metadata for name in group_layers})
+    assert not zero_calls, "zeroed before the forward although the op guard owns every group"
+    context = SimpleNamespace(no_compile_layers=layers, attn_metadata=metadata)
+    monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+    for name in layers:
+        op_guard.zero_fresh_state(name)
+    for g, (_, group_layers) in enumerate(built):
+        for layer in group_layers.values():
+            for cache in layer.kv_cache:
+                assert cache[FRESH_SLOT + g].eq(0).all(), f"group {g}'s new row's slot not zeroed"
+                others = [s for s in range(NUM_SLOTS) if s != FRESH_SLOT + g]
+                assert (cache[others].isnan() | cache[others].eq(6.0)).all(), f"group {g}: another slot changed"
+    assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a cache zeroed twice or never"
+    assert {who for who, _ in zero_calls} == {"op"}
+    if on_the_cuda_path():
+        assert joint_launches == [3], "not one launch for the step's three groups"
+
+
 def test_compiled_engine_with_a_layer_no_guarded_op_reaches_is_guarded_at_build(
         monkeypatch, guarded, zero_calls):
     """Kimi-Linear's layout in vLLM 0.27+: one layer reads its state in plain Python."""
@@ -241,4 +284,4 @@ def test_decide_owner():
 
 @pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
 def test_every_case_again_on_the_cuda_zeroing_path():
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=8)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=9)
