@@ -7,6 +7,8 @@ state shapes. A step is built as vLLM's runner builds it: one
 ``CommonAttentionMetadata`` per step (a new view of a persistent host buffer
 for ``query_start_loc_cpu``), shallow-copied per group, then each group's
 ``build``. Qwen3-Next-80B has 36 GDN layers in 3 groups of 12 (the default).
+``--builder bailing``: Bailing-MoE-v2.5's Lightning builders instead (the step
+guard owns them: a step with fresh rows zeroes at build, one launch per group).
 
 Each case times the same steps with the hook (``builder.build``) and
 without it (``builder.build.__wrapped__``, vLLM's own build), interleaved in
@@ -30,7 +32,7 @@ blocks, and reports per step:
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
         [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown]
-        [--inference-host-tensors] [--forward] [--out DIR]
+        [--inference-host-tensors] [--forward] [--builder gdn|bailing] [--out DIR]
 """
 
 from __future__ import annotations
@@ -50,9 +52,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per_group: int) -> list:
+def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per_group: int,
+                  kind: str = "gdn") -> list:
+    """``groups`` configured builders of ``kind`` over poisoned-free caches in vLLM's static forward context.
+
+    ``gdn``: ``GDNAttentionMetadataBuilder`` over Qwen3-Next's per-layer state shapes, every layer
+    behind a guarded op (a compiled engine's case: the op guard owns the groups). ``bailing``:
+    ``BailingLinearAttentionMetadataBuilder`` (Lightning) over a Bailing-MoE-v2.5 state at hidden
+    2048 (16 heads of 128), whose reads sit behind no guarded op: the step guard owns the groups
+    and zeroes at build."""
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
 
     from gdn_pass.vllm import VllmGDNStatePass, metadata_hook, step_guard
@@ -69,18 +78,27 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
         additional_config={"gdn_prefill_backend": "triton"})
     config.scheduler_config.max_num_seqs = max(config.scheduler_config.max_num_seqs, num_blocks)
     context = config.compilation_config.static_forward_context
-    spec = MambaSpec(block_size=16, shapes=((3, 8192), (32, 128, 128)), dtypes=(torch.bfloat16, torch.float32))
+    if kind == "gdn":
+        from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as builder_class
+
+        shapes, dtypes = ((3, 8192), (32, 128, 128)), (torch.bfloat16, torch.float32)
+        suffix, guarded = "linear_attn", True
+    else:
+        from vllm.v1.attention.backends.linear_attn import BailingLinearAttentionMetadataBuilder as builder_class
+
+        shapes, dtypes = ((16, 128, 128),), (torch.float32,)
+        suffix, guarded = "attention", False
+    spec = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes)
     builders = []
     for group in range(groups):
-        names = [f"model.layers.{group * layers_per_group + i}.linear_attn" for i in range(layers_per_group)]
-        for name in names:  # Qwen3-Next's per-layer state shapes, small slot count
+        names = [f"model.layers.{group * layers_per_group + i}.{suffix}" for i in range(layers_per_group)]
+        for name in names:  # the per-layer state shapes, small slot count
             context[name] = SimpleNamespace(kv_cache=[
-                torch.zeros(num_blocks, 3, 8192, dtype=torch.bfloat16, device=device),
-                torch.zeros(num_blocks, 32, 128, 128, dtype=torch.float32, device=device)])
-            # Every layer has a guarded op (the compiled engine's case): the op guard owns the group.
-            step_guard.note_guarded_layer(name)
+                torch.zeros(num_blocks, *shape, dtype=dtype, device=device) for shape, dtype in zip(shapes, dtypes)])
+            if guarded:  # every layer has a guarded op (the compiled engine's case): the op guard owns the group
+                step_guard.note_guarded_layer(name)
         with set_current_vllm_config(config):
-            builders.append(GDNAttentionMetadataBuilder(spec, names, config, device))
+            builders.append(builder_class(spec, names, config, device))
     return builders
 
 
@@ -270,6 +288,9 @@ def idle_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, flo
 
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--builder", choices=("gdn", "bailing"), default="gdn",
+                    help="gdn: Qwen3-Next's GDN builders (the op guard owns them); bailing: Bailing-MoE-v2.5's "
+                         "Lightning builders (the step guard owns them and zeroes at build)")
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--layers-per-group", type=int, default=12)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -286,12 +307,15 @@ def main():
     ap.add_argument("--inference-host-tensors", action="store_true",
                     help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
+    if args.forward and args.builder != "gdn":
+        ap.error("--forward runs the guarded ops of GDN layers; the Lightning builders' reads have none "
+                 "(the step guard zeroes at build, timed without --forward)")
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
     builders = make_builders(device, max([*args.batches, *(p for _, p in padded)]) + 2, args.groups,
-                             args.layers_per_group)
+                             args.layers_per_group, args.builder)
     forward = Forward(builders) if args.forward else None
     rows = []
     cases = [(batch, fresh, None) for batch in args.batches for fresh in sorted({0, 1, batch // 2})]
@@ -322,11 +346,12 @@ def main():
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]), commit=commit,
-                  groups=args.groups, layers_per_group=args.layers_per_group,
+                  builder=args.builder, groups=args.groups, layers_per_group=args.layers_per_group,
                   inference_host_tensors=args.inference_host_tensors, forward=args.forward,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown)
-    table = [f"{args.groups} GDN builders x {args.layers_per_group} layers per step, {result['device']}, "
+    table = [f"{args.groups} {'GDN' if args.builder == 'gdn' else 'Bailing (Lightning)'} builders x "
+             f"{args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}"
              + (", host tensors made under inference mode (vLLM 0.34's V2 runner)" if args.inference_host_tensors
                 else "")
