@@ -38,24 +38,51 @@ def zero_chunks(table_ptr, slot_ptr, slot_stride, column_stride, columns, rows, 
     items_per_row = columns * items_per_column
     total = tl.sum(flags, 0) * items_per_row
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
-        k = item // items_per_row
-        rest = item - k * items_per_row
-        column = rest // items_per_column
-        rest = rest - column * items_per_column
-        cache = rest // chunks
-        chunk = rest - cache * chunks
+        k, column, cache, chunk = unravel(item, items_per_row, items_per_column, chunks)
         row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
         slot = tl.load(slot_ptr + row * slot_stride + column * column_stride).to(tl.int64)
         numel = tl.load(table_ptr + cache * 3 + 2)
         start = chunk.to(tl.int64) * chunk_words
         if (slot >= 0) & (start < numel):  # -1: a padding sentinel; small caches have fewer chunks
-            base = tl.load(table_ptr + cache * 3).to(tl.pointer_type(tl.int32))
-            stride = tl.load(table_ptr + cache * 3 + 1)
-            end = tl.minimum(start + chunk_words, numel)
-            zeros = tl.zeros([BLOCK], dtype=tl.int32)
-            for offset in range(start, end, BLOCK):
-                offs = offset + tl.arange(0, BLOCK)
-                tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+            zero_chunk(table_ptr + cache * 3, slot, start, numel, chunk_words, BLOCK)
+
+
+@triton.jit
+def unravel(item, items_per_row, items_per_outer, chunks):
+    """``(k, outer, inner, chunk)`` of a work item numbered row-major over
+    (k-th fresh row, outer, inner, chunk), ``items_per_outer = inner count * chunks``."""
+    k = item // items_per_row
+    rest = item - k * items_per_row
+    outer = rest // items_per_outer
+    rest = rest - outer * items_per_outer
+    inner = rest // chunks
+    return k, outer, inner, rest - inner * chunks
+
+
+@triton.jit
+def zero_chunk(entry_ptr, slot, start, numel, chunk_words, BLOCK: tl.constexpr):
+    """Zero words ``[start, min(start + chunk_words, numel))`` of ``slot`` in the cache whose table
+    entry (address, slot stride, slot size) is at ``entry_ptr``."""
+    base = tl.load(entry_ptr).to(tl.pointer_type(tl.int32))
+    stride = tl.load(entry_ptr + 1)
+    end = tl.minimum(start + chunk_words, numel)
+    zeros = tl.zeros([BLOCK], dtype=tl.int32)
+    for offset in range(start, end, BLOCK):
+        offs = offset + tl.arange(0, BLOCK)
+        tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+
+
+@triton.jit
+def new_row_flags(query_start_ptr, seq_lens_ptr, num_rows, ROWS: tl.constexpr):
+    """``(rows, flags)``: ``[ROWS]`` row indices, and int32 1 for the rows that run tokens, all of them
+    new (``r < num_rows and 0 < query_len[r] == seq_lens[r]``): they have no state before them."""
+    rows = tl.arange(0, ROWS)
+    inside = rows < num_rows
+    starts = tl.load(query_start_ptr + rows, mask=inside, other=0)
+    ends = tl.load(query_start_ptr + rows + 1, mask=inside, other=0)
+    seq_lens = tl.load(seq_lens_ptr + rows, mask=inside, other=0)
+    query_lens = ends - starts
+    return rows, (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
 
 
 @triton.jit
@@ -73,14 +100,7 @@ def zero_fresh_rows_all_kernel(table_ptr, slot_ptr, fresh_ptr, num_rows, num_cac
 def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, column_stride, columns, query_start_ptr, seq_lens_ptr,
                              num_rows, num_caches, chunks, chunk_words, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     """Grid ``(programs,)``: ``zero_chunks`` for the rows that run tokens, all of them new (every slot column)."""
-    rows = tl.arange(0, ROWS)
-    inside = rows < num_rows
-    starts = tl.load(query_start_ptr + rows, mask=inside, other=0)
-    ends = tl.load(query_start_ptr + rows + 1, mask=inside, other=0)
-    seq_lens = tl.load(seq_lens_ptr + rows, mask=inside, other=0)
-    query_lens = ends - starts
-    # A row whose tokens are all new this step: it has no state before them.
-    flags = (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
+    rows, flags = new_row_flags(query_start_ptr, seq_lens_ptr, num_rows, ROWS)
     zero_chunks(table_ptr, slot_ptr, slot_stride, column_stride, columns, rows, flags, num_caches, chunks,
                 chunk_words, BLOCK)
 
@@ -100,24 +120,13 @@ def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_ro
     ``table_ptr``: ``[num_caches, 4]`` (address, slot stride, slot size, group); a cache of group ``g``
     takes a new row's slots from group ``g``'s slot tensor (``slots<g>``, an address). Every group
     shares the step's rows (``query_start_ptr``, ``seq_lens_ptr``, ``num_rows``)."""
-    rows = tl.arange(0, ROWS)
-    inside = rows < num_rows
-    starts = tl.load(query_start_ptr + rows, mask=inside, other=0)
-    ends = tl.load(query_start_ptr + rows + 1, mask=inside, other=0)
-    seq_lens = tl.load(seq_lens_ptr + rows, mask=inside, other=0)
-    query_lens = ends - starts
-    flags = (inside & (query_lens > 0) & (seq_lens == query_lens)).to(tl.int32)
+    rows, flags = new_row_flags(query_start_ptr, seq_lens_ptr, num_rows, ROWS)
     rank = tl.cumsum(flags, 0)
     items_per_cache = max_columns * chunks
     items_per_row = num_caches * items_per_cache
     total = tl.sum(flags, 0) * items_per_row
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
-        k = item // items_per_row
-        rest = item - k * items_per_row
-        cache = rest // items_per_cache
-        rest = rest - cache * items_per_cache
-        column = rest // chunks
-        chunk = rest - column * chunks
+        k, cache, column, chunk = unravel(item, items_per_row, items_per_cache, chunks)
         row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0).to(tl.int64)
         group = tl.load(table_ptr + cache * 4 + 3)
         slots = tl.where(group == 0, slots0, tl.where(group == 1, slots1, tl.where(group == 2, slots2, slots3)))
@@ -135,10 +144,4 @@ def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_ro
         else:
             slot = tl.load(slots.to(tl.pointer_type(tl.int32)) + offset, mask=wanted, other=-1).to(tl.int64)
         if wanted & (slot >= 0):  # -1: a padding sentinel
-            base = tl.load(table_ptr + cache * 4).to(tl.pointer_type(tl.int32))
-            stride = tl.load(table_ptr + cache * 4 + 1)
-            end = tl.minimum(start + chunk_words, numel)
-            zeros = tl.zeros([BLOCK], dtype=tl.int32)
-            for offset_words in range(start, end, BLOCK):
-                offs = offset_words + tl.arange(0, BLOCK)
-                tl.store(base + slot * stride + offs, zeros, mask=offs < end)
+            zero_chunk(table_ptr + cache * 4, slot, start, numel, chunk_words, BLOCK)
