@@ -39,7 +39,8 @@ from gdn_pass._logging import logger
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
 
-__all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "handoff_of", "join", "new_decode_rows"]
+__all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "handoff_of", "join", "joint_activity",
+           "new_decode_rows"]
 
 # The one attribute of vLLM's metadata object that gdn-pass sets.
 ATTR = "gdn_pass_handoff"
@@ -154,11 +155,25 @@ class JointZeroing:
         for handoff in self.handoffs:
             handoff.zeroed_by_op = True
         self.done = True
+        _JOINT_ACTIVITY["steps"] += 1
+        _JOINT_ACTIVITY["groups"] += len(self.handoffs)
+        _JOINT_ACTIVITY["launches"] += launches
         return launches
 
 
 # The step whose hand-offs are being joined (``join``): the last one that had new decode rows.
 _joining: list[JointZeroing | None] = [None]
+# What joint zeroings did in this process, for reports and tests (``joint_activity``).
+_JOINT_ACTIVITY = {"steps": 0, "groups": 0, "launches": 0}
+
+
+def joint_activity() -> dict:
+    """``{"steps": n, "groups": n, "launches": n}``: steps whose joined groups the op guard zeroed
+    together, the groups they covered and the launches they made (one per step where they shared
+    the step's rows)."""
+    return dict(_JOINT_ACTIVITY)
+
+
 # False once a joint launch raised (it runs inside the step, so it never raises into vLLM): every
 # group is then zeroed by a launch of its own, as before joint launches.
 _joint_launch: list[bool] = [True]

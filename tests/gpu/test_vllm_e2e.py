@@ -48,6 +48,9 @@ MODES = {  # mode: compilation-config entries
     # Only sizes 1 and 4 are captured: R2 + R3 (2 real rows) replay the
     # 4-row graph with 2 padding rows.
     "padded": ["cudagraph_capture_sizes=[1, 4]"],
+    # No FULL graph: the fresh row's decode step runs the guarded ops on the host, where the op
+    # guard zeroes the tiny model's three GDN groups in one launch (handoff.JointZeroing).
+    "piecewise": ["cudagraph_mode=PIECEWISE"],
 }
 # GDN_PASS_GPU_MODES=default,full runs a subset (a device call lasts 10 minutes).
 SELECTED_MODES = [m for m in os.environ.get("GDN_PASS_GPU_MODES", ",".join(MODES)).split(",") if m]
@@ -162,6 +165,21 @@ def test_pass_stands_down_exactly_where_vllm_fixed_the_bug(runs, mode):
         _assert_stood_down(on, _ok(runs, f"{mode}_off"))
     else:
         _assert_acted(on)
+
+
+def test_piecewise_zeroes_every_group_of_a_step_in_one_launch(runs):
+    """Outside FULL graphs the op guard's first op of a step with a fresh row zeroes all three GDN
+    groups of the tiny Qwen3-Next (one layer each) in one launch (``handoff.JointZeroing``); the
+    step's exactness is ``test_pass_on_matches_isolated[piecewise]``."""
+    if "piecewise" not in SELECTED_MODES:
+        pytest.skip("piecewise not among GDN_PASS_GPU_MODES")
+    on = _ok(runs, "piecewise_on")
+    if _vllm_fix_holds(runs, "piecewise"):
+        pytest.skip(f"vLLM {on['vllm']} reroutes fresh rows itself here: the pass stands down")
+    joint = on["joint_zeroing"]
+    assert set(on["step_guard"]["owners"].values()) == {"op"}, on["step_guard"]
+    assert joint["steps"] > 0, f"no joint zeroing in a piecewise engine with fresh rows: {joint}"
+    assert joint["launches"] == joint["steps"] and joint["groups"] == 3 * joint["steps"], joint
 
 
 @pytest.mark.parametrize("mode", list(MODES))

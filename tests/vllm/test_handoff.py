@@ -121,7 +121,10 @@ def test_a_steps_joined_groups_are_zeroed_in_one_launch(monkeypatch):
     made = [handoff.join(step, h) for h in _decode_handoffs(3)]
     joint = made[0].joint
     assert all(h.joint is joint for h in made) and joint.handoffs == made
+    before = handoff.joint_activity()
     assert joint.zero() == 1
+    after = handoff.joint_activity()
+    assert {k: after[k] - before[k] for k in after} == {"steps": 1, "groups": 3, "launches": 1}
     assert launches == [("joint", [0, 1, 2], [[1, 2, 3], [2, 3, 4], [3, 4, 5]], 3, 8)]
     assert joint.done and all(h.zeroed_by_op for h in made)
     later = handoff.join(object(), _decode_handoffs(1)[0])  # the next step: a joint of its own

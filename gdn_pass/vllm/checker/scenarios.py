@@ -390,13 +390,15 @@ def main() -> None:
             (7 + 13 * i) % 1000 + 3 for i in range(args.r3_prompt_len)]
         result = run(args.scenario, llm, recorder, r3_prompt)
     cache_config = llm.llm_engine.vllm_config.cache_config
-    from gdn_pass.vllm import metadata_hook, step_guard, support
+    from gdn_pass.vllm import handoff, metadata_hook, step_guard, support
 
     result.update(
         plugin_hook_installed=metadata_hook.is_installed(),
         # which guard owned each GDN group, and what the step guard did (this
         # process: meaningful with the engine core in process, the default)
         step_guard=step_guard.activity(),
+        # steps whose groups the op guard zeroed in one launch (CUDA, outside captured graphs)
+        joint_zeroing=handoff.joint_activity(),
         # registry entries that stood down in this engine (vLLM fixed their builder)
         stood_down=sorted(support.stood_down()),
         model_runner=model_runner_of(llm),
