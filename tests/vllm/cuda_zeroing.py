@@ -105,6 +105,35 @@ def take_the_cuda_path(monkeypatch, launches: list) -> None:
     monkeypatch.setattr(handoff, "zero_rows", forbidden("zero_rows"))
 
 
+SITE = Path(__file__).resolve().parent / "cuda_path_site"
+
+
+def emulate_in_engine() -> None:
+    """This process's guards zero only through the CUDA path's kernels, on CPU tensors: a table of
+    the CPU caches, Triton's interpreter (``TRITON_INTERPRET=1``, set before Triton is imported),
+    the staged and per-cache zeroings forbidden. For an engine process (``engine_env``)."""
+    from gdn_pass.kernels import zero_rows
+    from gdn_pass.vllm import handoff, metadata_hook
+
+    metadata_hook._cache_table = lambda caches, device: cpu_table(caches) if caches else None
+    zero_rows._programs = lambda device: 3  # fewer programs than work items
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            raise AssertionError(f"{name}: the CUDA path stages nothing and zeroes through vLLM's device rows")
+        return call
+
+    handoff.zero_rows_all = forbidden("zero_rows_all")
+    handoff.zero_rows = forbidden("zero_rows")
+
+
+def engine_env() -> dict:
+    """Environment entries that put an engine process's guards on the CUDA zeroing path
+    (``cuda_path_site``, ``emulate_in_engine``)."""
+    return {"TRITON_INTERPRET": "1", ENV: "1",
+            "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
 def run_module_on_the_cuda_path(module_file: str, runner_test: str, expected_passed: int,
                                 timeout: float = 900) -> str:
     """Run ``module_file``'s tests but ``runner_test`` (the caller) in a subprocess with the
