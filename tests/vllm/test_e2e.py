@@ -62,25 +62,34 @@ def test_compiled_engine_leaves_the_zeroing_to_the_guarded_ops(demo):
     assert on["steps_zeroed"] == 0, on
 
 
-def test_compiled_engine_on_the_cuda_path_zeroes_the_three_groups_in_one_launch(
-        demo, qwen3_next_checkpoint, engine_dir, monkeypatch):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "enforce_eager"])
+def test_engine_on_the_cuda_zeroing_path(demo, qwen3_next_checkpoint, engine_dir, monkeypatch, compiled):
     """The pass-on engine again, its guards on the CUDA zeroing path (a table of the CPU caches, the
-    kernels in Triton's interpreter: ``tests/vllm/cuda_zeroing.py``, nothing staged): the op guard's
-    first op of R3's step zeroes the fresh row's slot in all three GDN groups (one layer each) in
-    one launch, and R3 equals its isolated run. (Zeroing the first group only: R3 diverges at
-    token 7.)"""
+    kernels in Triton's interpreter: ``tests/vllm/cuda_zeroing.py``, nothing staged), and R3 equal
+    to its isolated run. Compiled: the op guard's first op of R3's step zeroes the fresh row's slot
+    in all three GDN groups (one layer each) in one launch (zeroing the first group only: R3
+    diverges at token 7). Eager: the step guard zeroes each group at its build, one launch each."""
     from gdn_pass.checker.demo import compare, run_scenario
     from tests.vllm.cuda_zeroing import engine_env
 
     if "gdn" in demo["results"]["pass_on"]["stood_down"]:
         pytest.skip("vLLM reroutes fresh rows itself here: the pass stands down")
+    workdir = engine_dir / "cuda_path"
+    # The reference runs in the same mode (eager and compiled kernels round differently).
+    isolated = (demo["results"]["isolated"] if compiled else
+                run_scenario("isolated", "off", qwen3_next_checkpoint, workdir, eager=True, name="isolated_eager"))
     for key, value in engine_env().items():
         monkeypatch.setenv(key, value)
-    on = run_scenario("poisoned", "on", qwen3_next_checkpoint, engine_dir / "cuda_path", name="pass_on_cuda_path")
-    joint = on["joint_zeroing"]
-    assert joint["steps"] > 0 and joint["launches"] == joint["steps"] and joint["groups"] == 3 * joint["steps"], joint
-    assert set(on["step_guard"]["owners"].values()) == {"op"} and on["step_guard"]["steps_zeroed"] == 0
-    diff = compare(demo["results"]["isolated"]["requests"]["R3"], on["requests"]["R3"])
+    on = run_scenario("poisoned", "on", qwen3_next_checkpoint, workdir, eager=not compiled,
+                      name=f"pass_on_cuda_path_{'compiled' if compiled else 'eager'}")
+    joint, guard = on["joint_zeroing"], on["step_guard"]
+    if compiled:
+        assert set(guard["owners"].values()) == {"op"} and guard["steps_zeroed"] == 0, guard
+        assert joint["steps"] > 0 and joint["launches"] == joint["steps"] and joint["groups"] == 3 * joint["steps"], joint
+    else:
+        assert set(guard["owners"].values()) == {"step"} and joint["steps"] == 0, (guard, joint)
+        assert guard["steps_zeroed"] > 0 and guard["zeroings"] == guard["steps_zeroed"], guard  # one launch a build
+    diff = compare(isolated["requests"]["R3"], on["requests"]["R3"])
     assert diff["same_tokens"] and diff["max_logprob_diff"] <= LOGPROB_TOL, diff
 
 
