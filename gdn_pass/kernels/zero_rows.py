@@ -44,6 +44,8 @@ on the first CUDA launch, so this module imports where Triton does not.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from gdn_pass.kernels.fast_launch import Launcher
@@ -310,9 +312,10 @@ def zero_new_rows_groups(tables: list[CacheTable], slots: list[torch.Tensor], qu
 
 
 _groups_kernel = None  # fast_launch.Launcher of _zero_triton.zero_new_rows_groups_kernel, once launched
-# The merged tables of the last sets of groups seen: {ids of the tables: (the tables, merged, caches,
-# max slot words)}. Holding the tables keeps their ids from being reused; few sets are ever live
-# (one per engine), so the oldest is dropped past a handful.
+# The merged tables of the last sets of groups seen: {ids of the tables: (weak references to the
+# tables, merged, caches, max slot words)}. Weak: a table holds its engine's caches, which must go
+# when the engine goes; a dead reference (its id perhaps reused since) makes the entry stale. Few
+# sets are ever live (one per engine), so the oldest is dropped past a handful.
 _merged: dict[tuple, tuple] = {}
 
 
@@ -320,10 +323,11 @@ def _merged_table(tables: list[CacheTable]) -> tuple[torch.Tensor, int, int]:
     """``[caches, 4]`` int64 on the caches' device: each table's rows with its group's index appended."""
     key = tuple(id(t) for t in tables)
     found = _merged.get(key)
-    if found is None:
+    if found is None or any(ref() is not t for ref, t in zip(found[0], tables)):
         parts = [torch.cat([t.table, torch.full_like(t.table[:, :1], g)], dim=1) for g, t in enumerate(tables)]
         merged = torch.cat(parts).contiguous()
-        found = (list(tables), merged, merged.shape[0], max(t.max_slot_words for t in tables))
+        found = ([weakref.ref(t) for t in tables], merged, merged.shape[0], max(t.max_slot_words for t in tables))
+        _merged.pop(key, None)
         if len(_merged) >= 8:
             _merged.pop(next(iter(_merged)))
         _merged[key] = found

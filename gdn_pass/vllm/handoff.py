@@ -30,6 +30,7 @@ build, zeroes them together::
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -110,7 +111,7 @@ class StepHandoff:
         return len(caches)
 
 
-@dataclasses.dataclass(eq=False, slots=True)
+@dataclasses.dataclass(eq=False, slots=True, weakref_slot=True)
 class JointZeroing:
     """One step's hand-offs whose new decode rows the first guarded op of the step zeroes together.
 
@@ -161,8 +162,10 @@ class JointZeroing:
         return launches
 
 
-# The step whose hand-offs are being joined (``join``): the last one that had new decode rows.
-_joining: list[JointZeroing | None] = [None]
+# The step whose hand-offs are being joined (``join``): the last one that had new decode rows, as a
+# weak reference: its hand-offs (on the step's metadata) keep it while the step lives, and nothing
+# here keeps an engine's caches (in their tables) past it.
+_joining: list[Callable[[], JointZeroing | None]] = [lambda: None]
 # What joint zeroings did in this process, for reports and tests (``joint_activity``).
 _JOINT_ACTIVITY = {"steps": 0, "groups": 0, "launches": 0}
 
@@ -184,9 +187,10 @@ def join(step, handoff: StepHandoff) -> StepHandoff:
 
     The builds of a step come one after another, before its forward: a step
     object other than the last one's starts a new joint."""
-    joint = _joining[0]
+    joint = _joining[0]()
     if joint is None or joint.step is not step or joint.done:
-        joint = _joining[0] = JointZeroing(step)
+        joint = JointZeroing(step)
+        _joining[0] = weakref.ref(joint)
     joint.handoffs.append(handoff)
     handoff.joint = joint
     return handoff

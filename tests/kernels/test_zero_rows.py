@@ -231,3 +231,20 @@ if __name__ == "__main__":  # the subprocess: every case, its errors as one JSON
     results.update({"groups " + json.dumps(case): check_groups_case(*case) for case in CASES})
     results["groups5"] = check_groups_case(9, 4, 0.5, groups=5)
     print(json.dumps(results))
+
+
+def test_merged_tables_are_kept_without_keeping_the_caches():
+    """The groups' merged table is made once per set of tables; holding it must not keep an engine's
+    caches (inside its tables) alive once the engine drops them."""
+    import gc
+    import weakref
+
+    tables = [cpu_table([torch.zeros(4, 64)]), cpu_table([torch.zeros(4, 32), torch.zeros(4, 16)])]
+    merged, caches, words = zero_rows._merged_table(tables)
+    assert (caches, words) == (3, 64)
+    assert merged[:, 3].tolist() == [0, 1, 1] and merged[:, :3].tolist() == torch.cat([t.table for t in tables]).tolist()
+    assert zero_rows._merged_table(tables)[0] is merged  # found again, not rebuilt
+    gone = weakref.ref(tables[1].caches[0])
+    del tables
+    gc.collect()
+    assert gone() is None, "the merged tables kept a cache alive"

@@ -116,7 +116,7 @@ def test_a_steps_joined_groups_are_zeroed_in_one_launch(monkeypatch):
     """The builds of one step join one ``JointZeroing``; its zeroing is one launch over every
     group's table, each with its own slots, and marks every hand-off done."""
     launches = _record_launches(monkeypatch)
-    monkeypatch.setattr(handoff, "_joining", [None])
+    monkeypatch.setattr(handoff, "_joining", [lambda: None])
     step = object()
     made = [handoff.join(step, h) for h in _decode_handoffs(3)]
     joint = made[0].joint
@@ -152,3 +152,17 @@ def test_a_joint_launch_that_raises_falls_back_to_a_launch_per_group(monkeypatch
     launches.clear()
     handoff.JointZeroing(object(), _decode_handoffs(2)).zero()
     assert launches == [("one", 0), ("one", 1)]
+
+
+def test_the_joint_of_a_step_lives_only_as_long_as_its_hand_offs(monkeypatch):
+    """The hook keeps the step being joined by a weak reference: once vLLM drops the step's
+    metadata (and with it the hand-offs), nothing of gdn-pass holds the groups' tables (and so
+    the engine's caches)."""
+    import gc
+
+    monkeypatch.setattr(handoff, "_joining", [lambda: None])
+    made = [handoff.join("step", h) for h in _decode_handoffs(2)]
+    assert handoff._joining[0]() is made[0].joint
+    del made
+    gc.collect()
+    assert handoff._joining[0]() is None
