@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_pass.vllm.handoff import attach, handoff_of
+from gdn_pass.vllm.handoff import ATTR, attach, handoff_of
 from gdn_pass.vllm.step_guard import note_guarded_layer
 from gdn_pass.vllm.support import stood_down
 
@@ -60,6 +60,13 @@ def zero_fresh_state(layer_name: str) -> None:
     all_metadata = context.attn_metadata
     if all_metadata is None:  # profiling / dummy run: the op itself does nothing
         return
+    # Most calls: a step without new rows, found on the metadata under the layer's own name (the
+    # name its op is called with is the layer's prefix), and done with at once.
+    metadata = all_metadata.get(layer_name) if type(all_metadata) is dict else None
+    if metadata is not None:
+        handoff = getattr(metadata, ATTR, None)
+        if handoff is not None and (handoff.zeroed_at_build or (handoff.host_fresh == 0 and not _capturing())):
+            return
     layer = context.no_compile_layers[layer_name]
     name = getattr(layer, "prefix", layer_name)
     if isinstance(all_metadata, list):  # micro-batches: the step guard zeroed each at its build
