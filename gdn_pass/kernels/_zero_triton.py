@@ -39,12 +39,18 @@ def zero_chunks(table_ptr, slot_ptr, slot_stride, column_stride, columns, rows, 
     total = tl.sum(flags, 0) * items_per_row
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
         k, column, cache, chunk = unravel(item, items_per_row, items_per_column, chunks)
-        row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
+        row = kth_fresh_row(rank, flags, rows, k)
         slot = tl.load(slot_ptr + row * slot_stride + column * column_stride).to(tl.int64)
         numel = tl.load(table_ptr + cache * 3 + 2)
         start = chunk.to(tl.int64) * chunk_words
         if (slot >= 0) & (start < numel):  # -1: a padding sentinel; small caches have fewer chunks
             zero_chunk(table_ptr + cache * 3, slot, start, numel, chunk_words, BLOCK)
+
+
+@triton.jit
+def kth_fresh_row(rank, flags, rows, k):
+    """The row of the ``k``-th fresh row (from 0): the fresh row whose rank is ``k + 1``."""
+    return tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0)
 
 
 @triton.jit
@@ -127,7 +133,7 @@ def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_ro
     total = tl.sum(flags, 0) * items_per_row
     for item in range(tl.program_id(0), total, tl.num_programs(0)):
         k, cache, column, chunk = unravel(item, items_per_row, items_per_cache, chunks)
-        row = tl.sum(tl.where((rank == k + 1) & (flags != 0), rows, 0), 0).to(tl.int64)
+        row = kth_fresh_row(rank, flags, rows, k).to(tl.int64)
         group = tl.load(table_ptr + cache * 4 + 3)
         slots = tl.where(group == 0, slots0, tl.where(group == 1, slots1, tl.where(group == 2, slots2, slots3)))
         row_stride = tl.where(group == 0, row_stride0, tl.where(group == 1, row_stride1,
