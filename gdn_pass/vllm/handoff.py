@@ -35,8 +35,8 @@ from collections.abc import Callable
 
 import torch
 
-from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_new_rows_groups, zero_rows, zero_rows_all
 from gdn_pass._logging import logger
+from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_new_rows_groups, zero_rows, zero_rows_all
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
 

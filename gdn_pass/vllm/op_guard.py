@@ -20,16 +20,16 @@ nothing, except inside CUDA-graph capture. On CUDA the first guarded op
 of a step zeroes the fresh slots of every GDN layer that shares its
 metadata, in one launch; the others skip. Where the step's new rows are
 vLLM's decode rows, that launch covers every group the hook joined
-(``handoff.JointZeroing``): one launch per step, not per group. Where the step guard owns the
-group (``step_guard``), the slots were zeroed at build time and the op
-guard does nothing.
+(``handoff.JointZeroing``): one launch per step, not per group. Where the
+step guard owns the group (``step_guard``), the slots were zeroed at build
+time and the op guard does nothing.
 """
 
 from __future__ import annotations
 
 import torch
 
-from gdn_pass.vllm.handoff import ATTR, attach, handoff_of
+from gdn_pass.vllm.handoff import attach, handoff_of
 from gdn_pass.vllm.step_guard import note_guarded_layer
 from gdn_pass.vllm.support import stood_down
 
@@ -60,16 +60,8 @@ def zero_fresh_state(layer_name: str) -> None:
     all_metadata = context.attn_metadata
     if all_metadata is None:  # profiling / dummy run: the op itself does nothing
         return
-    # Most calls: a step without new rows, found on the metadata under the layer's own name (the
-    # name its op is called with is the layer's prefix), and done with at once.
-    metadata = all_metadata.get(layer_name) if type(all_metadata) is dict else None
-    if metadata is not None:
-        handoff = getattr(metadata, ATTR, None)
-        if handoff is not None and (handoff.zeroed_at_build or (handoff.host_fresh == 0 and not _capturing())):
-            return
-    layer = context.no_compile_layers[layer_name]
-    name = getattr(layer, "prefix", layer_name)
     if isinstance(all_metadata, list):  # micro-batches: the step guard zeroed each at its build
+        name = getattr(context.no_compile_layers[layer_name], "prefix", layer_name)
         for part in all_metadata:
             metadata = part.get(name)
             handoff = None if metadata is None else handoff_of(metadata)
@@ -80,9 +72,15 @@ def zero_fresh_state(layer_name: str) -> None:
                     "(the step guard owns every group of a micro-batched engine from its first "
                     "build); disable dual-batch overlap or remove VllmGDNStatePass from the config")
         return
-    metadata = all_metadata.get(name)
+    # The name the op is called with is the layer's prefix, the metadata's key: the layer itself
+    # is looked up only where that misses or something is to be zeroed (most calls: neither).
+    layer = None
+    metadata = all_metadata.get(layer_name)
     if metadata is None:
-        return
+        layer = context.no_compile_layers[layer_name]
+        metadata = all_metadata.get(getattr(layer, "prefix", layer_name))
+        if metadata is None:
+            return
     handoff = handoff_of(metadata)
     if handoff is None:
         if "gdn" in stood_down():  # vLLM fixed the GDN builder here: the guarded op is the original
@@ -98,6 +96,8 @@ def zero_fresh_state(layer_name: str) -> None:
         return
     if handoff.host_fresh == 0 and not _capturing():
         return
+    if layer is None:
+        layer = context.no_compile_layers[layer_name]
     if handoff.in_capture is not None:  # the builder's shared hand-off: this step gets its own
         handoff = handoff.in_capture(metadata)
         attach(metadata, handoff)  # the group's other guarded ops find it done
