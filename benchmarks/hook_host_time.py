@@ -286,6 +286,70 @@ def idle_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, flo
     return {name: round(us, 2) for name, us in spent.items()}
 
 
+def fresh_breakdown(builders, steps: Steps, number: int = 5000) -> dict[str, float]:
+    """Where a step with a fresh row spends the hook's time at build, line by line, in us: each
+    piece timed alone (best of 5 runs of ``number`` calls) on a later build of the step (its rows
+    found by identity), as ``metadata_hook._stage_step`` runs it; no zeroing launch (that comes in
+    the forward, ``--forward``). On CUDA the entry hands the launch vLLM's decode rows and stages
+    nothing; on CPU (no cache table) it stages the rows to zero."""
+    import timeit
+
+    from gdn_pass.vllm import compat, handoff, metadata_hook, rows
+
+    builder = builders[-1]
+    state = metadata_hook.state_of(builder)
+    plain = type(builder).build.__wrapped__
+    common = steps.common()
+    kwargs = dict(common_prefix_len=0, common_attn_metadata=common)
+    metadata = plain(builder, **kwargs)
+    entry, staged = state.entry, state.rows
+    on_device = state.table is not None
+    draft = compat.step_inputs(plain, builder, (), kwargs)[1]
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    def first_rows():
+        rows._last_step[0] = None
+        rows._last_idle_key[0] = None
+        rows.scheduler_rows(common)
+
+    def joined():  # a joint of its own each time, as each step starts one
+        handoff._joining[0] = lambda: None
+        handoff.join(step, handoff.StepHandoff(staged, 1, state.table, None, False))
+
+    rows.has_new_rows(common)
+    step = rows.scheduler_rows(common)
+    host = entry.rows(common, metadata, draft)
+    spent = {
+        "_guard_step, the whole fresh path (a later build)": best(
+            lambda: (metadata_hook._guard_step(builder, state, plain, (), kwargs, metadata),
+                     setattr(handoff, "_joining", [lambda: None]))),
+        "  has_new_rows (step found by identity)": best(lambda: rows.has_new_rows(common)),
+        "  the step's scheduler rows, computed (its first build only)": best(first_rows),
+        "  compat.step_inputs": best(lambda: compat.step_inputs(plain, builder, (), kwargs)),
+        "  _group_state (caches unchanged)": best(lambda: metadata_hook._group_state(state)),
+        "  entry.stage_step, whole": best(
+            lambda: entry.stage_step(staged, common, metadata, draft, on_device=on_device)),
+        "    entry.rows (the builder's host rows, its fresh count)": best(
+            lambda: entry.rows(common, metadata, draft)),
+    }
+    rows.scheduler_rows(common)
+    if on_device:
+        spent["    entry.decode_rows (vLLM's device decode rows)"] = best(
+            lambda: entry.decode_rows(common, metadata, staged.max_rows))
+    else:
+        spent["    stage_fresh (flags copy and slots copy)"] = best(lambda: host.stage_fresh(staged))
+    spent.update({
+        "  StepHandoff(...)": best(lambda: handoff.StepHandoff(staged, 1, state.table, None, False)),
+        "  join (a new step's joint)": best(joined),
+        "  attach": best(lambda: handoff.attach(metadata, state.idle)),
+    })
+    handoff._joining[0] = lambda: None
+    rows.has_new_rows(common)
+    return {name: round(us, 2) for name, us in spent.items()}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--builder", choices=("gdn", "bailing"), default="gdn",
@@ -299,7 +363,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=400)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--breakdown", action="store_true",
-                    help="also time each line of the short path of a step without new rows, alone")
+                    help="also time each line of the hook's path alone: the short path of a step without "
+                         "new rows, and the build-time path of a step with one fresh row")
     ap.add_argument("--forward", action="store_true",
                     help="with the hook, also run every layer's guarded op (the op guard) each step, as a "
                          "compiled engine's piecewise forward does: a step with fresh rows makes its zeroing "
@@ -336,11 +401,13 @@ def main():
             row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    breakdown = {}
+    breakdown, fresh_lines = {}, {}
     if args.breakdown:
         breakdown = idle_breakdown(builders, Steps(max(args.batches), 0, device,
                                                    inference=args.inference_host_tensors))
         print(json.dumps(breakdown, indent=1), flush=True)
+        fresh_lines = fresh_breakdown(builders, Steps(8, 1, device, inference=args.inference_host_tensors))
+        print(json.dumps(fresh_lines, indent=1), flush=True)
     import vllm
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -349,7 +416,8 @@ def main():
                   builder=args.builder, groups=args.groups, layers_per_group=args.layers_per_group,
                   inference_host_tensors=args.inference_host_tensors, forward=args.forward,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
-                  torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown)
+                  torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown,
+                  fresh_breakdown_us=fresh_lines)
     table = [f"{args.groups} {'GDN' if args.builder == 'gdn' else 'Bailing (Lightning)'} builders x "
              f"{args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}"
@@ -365,6 +433,10 @@ def main():
     if breakdown:
         table += ["", f"A step without new rows (B = {max(args.batches)}), each line alone, us:", "",
                   "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in breakdown.items()]
+    if fresh_lines:
+        table += ["", "A step with one fresh row (B = 8), a later build, each line alone, us "
+                  f"({'vLLM decode rows, nothing staged' if any('decode_rows' in k for k in fresh_lines) else 'no cache table: rows staged'}):", "",
+                  "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in fresh_lines.items()]
     print("\n".join(table))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
