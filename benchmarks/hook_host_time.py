@@ -32,7 +32,7 @@ blocks, and reports per step:
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
         [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown]
-        [--inference-host-tensors] [--forward] [--builder gdn|bailing] [--out DIR]
+        [--inference-host-tensors] [--forward] [--cuda-path-on-cpu] [--builder gdn|bailing] [--out DIR]
 """
 
 from __future__ import annotations
@@ -369,6 +369,10 @@ def main():
                     help="with the hook, also run every layer's guarded op (the op guard) each step, as a "
                          "compiled engine's piecewise forward does: a step with fresh rows makes its zeroing "
                          "launches there")
+    ap.add_argument("--cuda-path-on-cpu", action="store_true",
+                    help="CPU only: the builds take the guards' CUDA path (a cache table of the CPU caches, as "
+                         "tests/vllm/cuda_zeroing.py makes it: vLLM's decode rows handed on, nothing staged); "
+                         "builds only, since the launch would run in Triton's interpreter")
     ap.add_argument("--inference-host-tensors", action="store_true",
                     help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
@@ -376,6 +380,15 @@ def main():
         ap.error("--forward runs the guarded ops of GDN layers; the Lightning builders' reads have none "
                  "(the step guard zeroes at build, timed without --forward)")
     cuda = torch.cuda.is_available()
+    if args.cuda_path_on_cpu:
+        if cuda or args.forward:
+            ap.error("--cuda-path-on-cpu is for a CPU-only machine, without --forward")
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
+        import cuda_zeroing
+
+        from gdn_pass.vllm import metadata_hook
+
+        metadata_hook._cache_table = lambda caches, device: cuda_zeroing.cpu_table(caches) if caches else None
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
@@ -415,6 +428,7 @@ def main():
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]), commit=commit,
                   builder=args.builder, groups=args.groups, layers_per_group=args.layers_per_group,
                   inference_host_tensors=args.inference_host_tensors, forward=args.forward,
+                  cuda_path_on_cpu=args.cuda_path_on_cpu,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown,
                   fresh_breakdown_us=fresh_lines)
@@ -423,7 +437,9 @@ def main():
              f"vLLM {vllm.__version__}, commit {commit}"
              + (", host tensors made under inference mode (vLLM 0.34's V2 runner)" if args.inference_host_tensors
                 else "")
-             + (", hook us/step with every layer's guarded op (the op guard's launches)" if args.forward else ""), "",
+             + (", hook us/step with every layer's guarded op (the op guard's launches)" if args.forward else "")
+             + (", the guards' CUDA path on CPU (a cache table of the CPU caches)" if args.cuda_path_on_cpu else ""),
+             "",
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
              "| one step behind 2 ms of GPU work, us |",
              "|---|---|---|---|---|---|"]
