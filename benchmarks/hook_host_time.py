@@ -314,7 +314,11 @@ def fresh_breakdown(builders, steps: Steps, number: int = 5000) -> dict[str, flo
         rows._last_idle_key[0] = None
         rows.scheduler_rows(common)
 
-    def joined():  # a joint of its own each time, as each step starts one
+    def fresh_path():  # a joint of its own each time, as each step starts one
+        metadata_hook._guard_step(builder, state, plain, (), kwargs, metadata)
+        handoff._joining[0] = lambda: None
+
+    def joined():
         handoff._joining[0] = lambda: None
         handoff.join(step, handoff.StepHandoff(staged, 1, state.table, None, False))
 
@@ -322,9 +326,7 @@ def fresh_breakdown(builders, steps: Steps, number: int = 5000) -> dict[str, flo
     step = rows.scheduler_rows(common)
     host = entry.rows(common, metadata, draft)
     spent = {
-        "_guard_step, the whole fresh path (a later build)": best(
-            lambda: (metadata_hook._guard_step(builder, state, plain, (), kwargs, metadata),
-                     setattr(handoff, "_joining", [lambda: None]))),
+        "_guard_step, the whole fresh path (a later build)": best(fresh_path),
         "  has_new_rows (step found by identity)": best(lambda: rows.has_new_rows(common)),
         "  the step's scheduler rows, computed (its first build only)": best(first_rows),
         "  compat.step_inputs": best(lambda: compat.step_inputs(plain, builder, (), kwargs)),
