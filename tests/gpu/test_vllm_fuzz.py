@@ -179,10 +179,16 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         # vLLM's own MTP mismatches are allowed only where the guard did not act and pass off
         # gives the very same output (perturbed_by_pass below)
         assert set(on["mismatched_ids"]) <= set(off["mismatched_ids"]) - judged_alone, on["examples"]
-    elif config == "preempt_prefix_hits":
-        # vLLM 0.26's align mode (prefix caching on) diverges by itself on CUDA,
-        # pass off and on alike (README, Known limits): the harness's fix shows the same requests
+    elif config == "preempt_prefix_hits" or not bug_expected(config):
+        # vLLM 0.26's align mode (prefix caching on) diverges by itself on CUDA, pass off and on
+        # alike (README, Known limits); where vLLM fixed the bug and the pass stood down, some
+        # requests differ from their runs alone too (vLLM 0.34, H100: 3 of 40 in
+        # bad_input_under_load, fuzz_scheduling_gpu_034.md). Neither is a stale read: the
+        # harness's fix (every fresh slot zeroed) shows the very same requests
         assert set(on["mismatched_ids"]) == set(s["runs"][fz.HARNESS_FIX]["mismatched_ids"]), on["examples"]
+        if on["mismatches"] and config != "preempt_prefix_hits":
+            warnings.warn(f"{config}: {on['mismatches']} request(s) differ from their runs alone with the "
+                          f"pass off, on and the harness's fix alike (vLLM's own): {on['examples']}")
     else:
         assert on["mismatches"] == 0, on["examples"]
     assert s["changed_by_pass_unexplained"] == [], "the pass changed requests it does not fix"
