@@ -127,15 +127,23 @@ class JointZeroing:
 
     def zero(self) -> int:
         """Zero every joined group's new decode rows; the launches made (one for up to
-        ``MAX_GROUPS`` groups that share the step's row tensors, as vLLM's runners hand every
-        group of a step; a group that does not share them gets a launch of its own)."""
+        ``MAX_GROUPS`` groups that read the step's rows, as vLLM's runners hand every group of
+        a step; a group that does not gets a launch of its own).
+
+        A group reads the step's rows where its ``seq_lens`` is the first group's tensor (the
+        scheduler's, one for every group of a step) and it has as many decode rows. Its query
+        offsets may be a tensor of its own with the same values: where FULL CUDA graphs can
+        replay, vLLM's GDN builder copies a decode step's offsets into a persistent buffer per
+        builder (vLLM 0.26, H100: one launch per group in every FULL-capable mode). The launch
+        reads the first group's, written on the same stream before the forward.
+        """
         shared, own = [], []
         first = self.handoffs[0].decode
         for handoff in self.handoffs:
             decode = handoff.decode
             same_rows = (decode.num_rows == first.num_rows and handoff.rows.max_rows == self.handoffs[0].rows.max_rows
                          and decode.slots.dtype == first.slots.dtype
-                         and decode.query_start_loc.data_ptr() == first.query_start_loc.data_ptr()
+                         and decode.query_start_loc.dtype == first.query_start_loc.dtype
                          and decode.seq_lens.data_ptr() == first.seq_lens.data_ptr())
             (shared if same_rows else own).append(handoff)
         launches = 0

@@ -183,6 +183,21 @@ def test_piecewise_zeroes_every_group_of_a_step_in_one_launch(runs):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
+def test_every_step_zeroes_its_groups_in_one_launch(runs, mode):
+    """Wherever the op guard zeroed a step's fresh rows outside a replayed graph, every mode: one
+    launch for the three groups, also where vLLM's GDN builders copy the step's query offsets
+    into buffers of their own (FULL-capable modes; at 5cf1c84 each group got a launch there:
+    9 launches for 3 steps, gpu_vllm_e2e.md)."""
+    on = _ok(runs, f"{mode}_on")
+    if _vllm_fix_holds(runs, mode):
+        pytest.skip(f"vLLM {on['vllm']} reroutes fresh rows itself here: the pass stands down")
+    joint = on["joint_zeroing"]
+    if set(on["step_guard"]["owners"].values()) != {"op"} or not joint["steps"]:
+        pytest.skip(f"{mode}: no step's groups were zeroed by the op guard's Python ({joint})")
+    assert joint["launches"] == joint["steps"] and joint["groups"] == 3 * joint["steps"], joint
+
+
+@pytest.mark.parametrize("mode", list(MODES))
 def test_r2_unchanged_by_the_pass(runs, mode):
     off, on = _ok(runs, f"{mode}_off"), _ok(runs, f"{mode}_on")
     diff = compare(off["requests"]["R2"], on["requests"]["R2"])

@@ -75,9 +75,10 @@ def test_zero_cache_by_cache_from_vllms_decode_rows():
     assert _zeroed_slots(caches) == [[1, 5], [1, 5]]
 
 
-def _decode_handoffs(groups: int, *, own_rows_for: int | None = None):
+def _decode_handoffs(groups: int, *, own_seq_lens_for: int | None = None, own_starts: bool = False):
     """``groups`` op-guard hand-offs of one step, each with its group's slots and (fake) table;
-    group ``own_rows_for`` reads row tensors of its own (equal values, another tensor)."""
+    group ``own_seq_lens_for`` reads sequence lengths of its own (equal values, another tensor);
+    with ``own_starts`` every group has its own copy of the query offsets."""
     import torch
 
     from gdn_pass.vllm.rows import DecodeRows
@@ -86,9 +87,9 @@ def _decode_handoffs(groups: int, *, own_rows_for: int | None = None):
     seq_lens = torch.tensor([9, 1, 4], dtype=torch.int32)
     made = []
     for g in range(groups):
-        own = g == own_rows_for
+        own = g == own_seq_lens_for
         decode = DecodeRows(slots=torch.tensor([1, 2, 3], dtype=torch.int32) + g,
-                            query_start_loc=starts.clone() if own else starts,
+                            query_start_loc=starts.clone() if own_starts else starts,
                             seq_lens=seq_lens.clone() if own else seq_lens, num_rows=3)
         made.append(StepHandoff(StagedRowMetadata(8), host_fresh=1, table=SimpleNamespace(group=g), decode=decode))
     return made
@@ -131,11 +132,22 @@ def test_a_steps_joined_groups_are_zeroed_in_one_launch(monkeypatch):
     assert later.joint is not joint and later.joint.handoffs == [later]
 
 
-def test_a_group_with_row_tensors_of_its_own_gets_a_launch_of_its_own(monkeypatch):
+def test_a_group_with_sequence_lengths_of_its_own_gets_a_launch_of_its_own(monkeypatch):
+    """The scheduler's ``seq_lens`` is one tensor for every group of a step: a group with another
+    one is not known to read the step's rows, and is zeroed alone."""
     launches = _record_launches(monkeypatch)
-    joint = handoff.JointZeroing(object(), _decode_handoffs(3, own_rows_for=1))
+    joint = handoff.JointZeroing(object(), _decode_handoffs(3, own_seq_lens_for=1))
     assert joint.zero() == 2
     assert launches == [("joint", [0, 2], [[1, 2, 3], [3, 4, 5]], 3, 8), ("one", 1)]
+
+
+def test_groups_with_copies_of_the_query_offsets_still_share_one_launch(monkeypatch):
+    """Where FULL CUDA graphs can replay, vLLM's GDN builder copies a decode step's query offsets
+    into a buffer of its own, one per group (vLLM 0.26 on an H100: one launch per group in every
+    FULL-capable mode). The values are the step's: the groups still share one launch."""
+    launches = _record_launches(monkeypatch)
+    assert handoff.JointZeroing(object(), _decode_handoffs(3, own_starts=True)).zero() == 1
+    assert launches == [("joint", [0, 1, 2], [[1, 2, 3], [2, 3, 4], [3, 4, 5]], 3, 8)]
 
 
 def test_a_joint_launch_that_raises_falls_back_to_a_launch_per_group(monkeypatch, caplog):

@@ -63,10 +63,12 @@ def zero_calls(monkeypatch):
     return calls
 
 
-def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names=LAYERS):
+def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names=LAYERS, full_graphs: bool = False):
     """A configured GDN builder over poisoned layers, and the layers. On releases where vLLM
     reroutes fresh rows itself (0.31+) the GDN entry stands down on CPU; the guards are tested as
-    in an engine where it acts (vLLM's V1 runner with FULL CUDA graphs, ``support.reroute_holds``)."""
+    in an engine where it acts (vLLM's V1 runner with FULL CUDA graphs, ``support.reroute_holds``).
+    ``full_graphs``: the builder made as where FULL CUDA graphs can replay (it then copies a
+    decode step's rows into persistent buffers of its own)."""
     from vllm.config import CompilationConfig, VllmConfig
     from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
     from vllm.v1.kv_cache_interface import MambaSpec
@@ -82,6 +84,10 @@ def engine(monkeypatch, *, compiled: bool, new_layer=poisoned_layer, layer_names
     cc = CompilationConfig(mode=3 if compiled else 0,
                            inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()})
     config = VllmConfig(compilation_config=cc, additional_config={"gdn_prefill_backend": "triton"})
+    if full_graphs:  # set after VllmConfig, which turns CUDA graphs off on a CPU platform
+        from vllm.config import CUDAGraphMode
+
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     layers = {name: new_layer(name) for name in layer_names}
     config.compilation_config.static_forward_context.update(layers)
     spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
@@ -141,17 +147,20 @@ def test_compiled_engine_with_every_layer_behind_a_guarded_op_leaves_it_to_the_o
     assert {who for who, _ in zero_calls} == {"op"}
 
 
-def test_compiled_engine_zeroes_every_group_of_a_step_in_one_launch(monkeypatch, guarded, zero_calls):
+@pytest.mark.parametrize("full_graphs", [False, True], ids=["piecewise", "full_graphs"])
+def test_compiled_engine_zeroes_every_group_of_a_step_in_one_launch(monkeypatch, guarded, zero_calls, full_graphs):
     """A 48-layer Qwen3-Next has three groups of GDN layers, one builder each, built one after
     another for every step (a shallow copy of the step's metadata with the group's own block
     table) before the forward. On the CUDA path the first guarded op of the step zeroes the new
-    row's slot of every group (each group's own block) in one launch; the other ops skip."""
+    row's slot of every group (each group's own block) in one launch; the other ops skip. Also
+    where FULL graphs can replay and each builder copies the step's query offsets into a buffer
+    of its own (vLLM's default mode on CUDA)."""
     import dataclasses
 
     from gdn_pass.vllm import handoff
 
     groups = [[f"model.layers.{3 * g + i}.linear_attn" for i in range(3)] for g in range(3)]
-    built = [engine(monkeypatch, compiled=True, layer_names=names) for names in groups]
+    built = [engine(monkeypatch, compiled=True, layer_names=names, full_graphs=full_graphs) for names in groups]
     layers = {name: layer for _, group_layers in built for name, layer in group_layers.items()}
     warm_up(monkeypatch, layers, covered=list(layers))
     joint_launches = []
@@ -165,6 +174,9 @@ def test_compiled_engine_zeroes_every_group_of_a_step_in_one_launch(monkeypatch,
         common = dataclasses.replace(step, block_table_tensor=step.block_table_tensor + g)
         built_metadata = builder.build(common_prefix_len=0, common_attn_metadata=common)
         assert metadata_hook.state_of(builder).owner is Owner.OP
+        # the builder's own offsets where FULL graphs can replay, the step's otherwise
+        own_starts = built_metadata.non_spec_query_start_loc.data_ptr() != common.query_start_loc.data_ptr()
+        assert own_starts == full_graphs, (full_graphs, builder.use_full_cuda_graph)
         metadata.update({name: built_metadata for name in group_layers})
     assert not zero_calls, "zeroed before the forward although the op guard owns every group"
     context = SimpleNamespace(no_compile_layers=layers, attn_metadata=metadata)
@@ -284,4 +296,4 @@ def test_decide_owner():
 
 @pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
 def test_every_case_again_on_the_cuda_zeroing_path():
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=9)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)
