@@ -153,9 +153,13 @@ class Forward:
 
         from gdn_pass.vllm import op_guard
 
+        from gdn_pass.vllm.metadata_hook import state_of
+
         self.zero = op_guard.zero_fresh_state
-        self.groups = [list(b.layer_names) for b in builders]
-        static = builders[0].vllm_config.compilation_config.static_forward_context
+        # What vLLM gave each builder, as the hook kept it (0.26's builders keep no layer_names)
+        contexts = [state_of(b).context for b in builders]
+        self.groups = [list(c.layer_names) for c in contexts]
+        static = contexts[0].vllm_config.compilation_config.static_forward_context
         self.context = SimpleNamespace(no_compile_layers={n: static[n] for g in self.groups for n in g},
                                        attn_metadata=None)
         vllm.forward_context.get_forward_context = lambda: self.context
