@@ -33,6 +33,8 @@ timed.
     python benchmarks/engine_ab.py --dims bailing-2048 --layers 12 --gpu --out $OUT --name engine_ab_bailing
     # CPU, tiny model (checks the machinery)
     python benchmarks/engine_ab.py --dims tiny --batches 1 8 --pairs 10 --window-steps 8
+    # as many pairs as it takes for a 95% interval 0.5% wide (or the time given per case)
+    python benchmarks/engine_ab.py ... --ci-target 0.005 --max-pairs 3000 --case-seconds 240
 """
 
 from __future__ import annotations
@@ -143,8 +145,11 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     median lies below the j-th smallest of n values with probability P(Binomial(n, 1/2) < j))."""
     ordered, n = sorted(values), len(values)
     j, below = 0, 0.0  # below: P(Binomial(n, 1/2) < j + 1)
+    # P(Binomial(n, 1/2) = j) in logs: exact binomial coefficients cost quadratic time in n, and
+    # --ci-target asks after every pair (thousands of them)
+    log_all = math.lgamma(n + 1) - n * math.log(2)
     while True:
-        below_next = below + math.comb(n, j) / 2 ** n
+        below_next = below + math.exp(log_all - math.lgamma(j + 1) - math.lgamma(n - j + 1))
         if below_next > (1 - level) / 2:
             break
         below, j = below_next, j + 1
@@ -153,21 +158,52 @@ def median_interval(values: list[float], level: float = 0.95) -> tuple[float, fl
     return ordered[j - 1], ordered[n - j]
 
 
+def resolved(ratios: list[float], target: float | None) -> bool:
+    """Whether the 95% interval of the median on/off ratio is at most ``target`` wide (a fraction
+    of the ratio: 0.005 for 0.5%); False without a target (then ``--pairs`` decides alone)."""
+    if target is None or len(ratios) < 6:
+        return False
+    low, high = median_interval(ratios)
+    return (high - low) / statistics.median(ratios) <= target
+
+
 def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_steps: int, warmup: int,
-         max_tokens: int) -> dict:
+         max_tokens: int, ci_target: float | None = None, max_pairs: int | None = None,
+         case_seconds: float | None = None) -> dict:
+    """One case: ``pairs`` ABBA pairs of windows, and with ``ci_target`` more, one at a time, until
+    the 95% interval of the median ratio is that narrow, ``max_pairs`` ran or ``case_seconds``
+    passed. More pairs narrow that interval (as one over the square root of their number);
+    they do not narrow the quartiles (``spread``), which are the steps' own noise. The batch's
+    decoders are replaced between pairs before they would run out of tokens."""
     engine = llm.llm_engine
+    began = time.monotonic()
     rng = random.Random(batch * 1000 + fresh)
-    decoders = [f"d{batch}-{fresh}-{i}" for i in range(batch - fresh)]
-    for rid in decoders:
-        engine.add_request(rid, {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(32)]},
-                           _params(max_tokens))
-    for _ in range(4):  # their prefills, then steady decoding
-        engine.step()
-    window(engine, rng, fresh, warmup, switch.clock)
+    decoders: list[str] = []
+    tokens_left = 0  # of each decoder: none may finish inside a window (the batch would shrink)
+
+    def new_decoders(generation: int) -> int:
+        if decoders:
+            engine.abort_request(decoders)
+        decoders[:] = [f"d{batch}-{fresh}-{generation}-{i}" for i in range(batch - fresh)]
+        for rid in decoders:
+            engine.add_request(rid, {"prompt_token_ids": [rng.randrange(10, 1000) for _ in range(32)]},
+                               _params(max_tokens))
+        for _ in range(4):  # their prefills, then steady decoding
+            engine.step()
+        window(engine, rng, fresh, warmup, switch.clock)
+        return max_tokens - 4 - warmup
+
+    tokens_left = new_decoders(0)
     on, off, ratios, thread_ratios = [], [], [], []
     host_us, builds_us, guard_us, stood_down_guard_us = [], [], [], []
-    for p in range(pairs):
+    p = 0
+    while p < pairs or (not resolved(ratios, ci_target) and p < (max_pairs or pairs)
+                        and (case_seconds is None or time.monotonic() - began < case_seconds)):
+        if tokens_left < 2 * window_steps + 8:  # between pairs: new decoders, outside the windows
+            tokens_left = new_decoders(p)
+        tokens_left -= 2 * window_steps
         order = (True, False) if p % 2 == 0 else (False, True)
+        p += 1
         medians = {}
         for state in order:
             switch.set(state)
@@ -188,7 +224,8 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     low, high = median_interval(ratios)
     thread_low, thread_high = median_interval(thread_ratios)
-    return dict(batch=batch, fresh=fresh, pairs=pairs, window_steps=window_steps,
+    return dict(batch=batch, fresh=fresh, pairs=len(ratios), window_steps=window_steps,
+                ci_width=round((high - low) / statistics.median(ratios), 5), ci_target=ci_target,
                 on_ms=round(statistics.median(on) * 1e3, 4), off_ms=round(statistics.median(off) * 1e3, 4),
                 ratio=round(statistics.median(ratios), 5), ratio_q1=round(q[0], 5), ratio_q3=round(q[2], 5),
                 ratio_min=round(min(ratios), 5), ratio_max=round(max(ratios), 5),
@@ -226,7 +263,12 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--gpu", action="store_true", help="CUDA settings (memory, GDN prefill backend)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--pairs", type=int, default=40, help="on/off pairs of windows per case")
+    ap.add_argument("--pairs", type=int, default=40, help="on/off pairs of windows per case (at least)")
+    ap.add_argument("--ci-target", type=float, default=None,
+                    help="then more pairs until the 95%% interval of the median ratio is this narrow "
+                         "(a fraction: 0.005 = 0.5%%), up to --max-pairs and --case-seconds")
+    ap.add_argument("--max-pairs", type=int, default=2000)
+    ap.add_argument("--case-seconds", type=float, default=None, help="time limit per case for --ci-target")
     ap.add_argument("--window-steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -259,7 +301,7 @@ def main() -> int:
         for fresh in sorted({0, 1}):
             if fresh <= batch:
                 cases.append(case(llm, switch, batch, fresh, args.pairs, args.window_steps, args.warmup,
-                                  args.max_model_len - 64))
+                                  args.max_model_len - 64, args.ci_target, args.max_pairs, args.case_seconds))
                 print(json.dumps(cases[-1]), flush=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
