@@ -179,9 +179,10 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
     began = time.monotonic()
     rng = random.Random(batch * 1000 + fresh)
     decoders: list[str] = []
-    tokens_left = 0  # of each decoder: none may finish inside a window (the batch would shrink)
 
     def new_decoders(generation: int) -> int:
+        """A new batch of decoders, past their prefills and warm-up; the tokens each has left.
+        None may finish inside a window (the batch would shrink)."""
         if decoders:
             engine.abort_request(decoders)
         decoders[:] = [f"d{batch}-{fresh}-{generation}-{i}" for i in range(batch - fresh)]

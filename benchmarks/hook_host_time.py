@@ -152,7 +152,6 @@ class Forward:
         import vllm.forward_context
 
         from gdn_pass.vllm import op_guard
-
         from gdn_pass.vllm.metadata_hook import state_of
 
         self.zero = op_guard.zero_fresh_state
