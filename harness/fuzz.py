@@ -84,6 +84,7 @@ HARNESS_FIX = "off+harness_zeroing"  # pass off, fresh slots zeroed by the harne
 # before the stream gone. The pass also zeroes during vLLM's warm-up (its dummy rows look
 # fresh), which on the GPU changed the very first request of a Bailing MTP stream.
 CLEAN_OFF = "off+zeroed_at_start"
+MISMATCHED_OUTPUTS_KEPT = 20  # per stream: the tokens of its first mismatches, both sides
 _STALL_STEPS = 2000  # steps without any output: the scheduler is stuck (raise, don't spin)
 
 # Engine settings per fuzz configuration (on top of gdn_pass.vllm.checker.scenarios.make_llm's).
@@ -577,7 +578,7 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
         paths = one_token_paths(run)
         preempted = set(run.get("preempted_ids", ()))
         outcome: dict[str, dict[str, str]] = {"mismatch": {}, "near_tie": {}}
-        drift, preempted_mismatches, first_token = 0.0, {}, 0
+        drift, preempted_mismatches, first_token, outputs = 0.0, {}, 0, {}
         for r in stream:
             got = run["results"].get(r.rid)
             if got is None:
@@ -590,6 +591,11 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                 continue
             outcome[kind][r.rid] = f"{r.kind}: {why}"
             first_token += kind == "mismatch" and first_token_mismatch(reference.get(base, {}), got)
+            if kind == "mismatch" and len(outputs) < MISMATCHED_OUTPUTS_KEPT:
+                # both sides' tokens, so that a third engine can say which one the model takes
+                # (benchmarks/transformers_arbiter.py); a resumed request's reference is its prompt's
+                outputs[r.rid] = dict(prompt=list(r.prompt), stream=list(got.get("tokens", ())),
+                                      reference=list(reference.get(base, {}).get("tokens", ())))
             if kind == "mismatch" and r.rid in preempted:
                 preempted_mismatches[r.rid] = outcome[kind][r.rid]
         results = run["results"]
@@ -609,7 +615,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             mismatches_of_preempted=len(preempted_mismatches),
             mismatched_preempted_ids=sorted(preempted_mismatches),
             trace=_row_kind_totals(run.get("traces", [])),
-            mismatched_ids=sorted(outcome["mismatch"]), near_tie_ids=sorted(outcome["near_tie"]))
+            mismatched_ids=sorted(outcome["mismatch"]), near_tie_ids=sorted(outcome["near_tie"]),
+            mismatched_outputs=outputs)
     if {"off", pass_on} <= set(guards):
         # Requests whose output the pass changed: each must be one it fixes (a
         # pass-off mismatch) or a near tie; anything else it changed wrongly.

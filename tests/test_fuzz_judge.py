@@ -244,6 +244,25 @@ def test_a_clean_pass_off_engine_is_the_baseline_where_it_ran(tmp_path, monkeypa
     assert s["footprint_baseline"] == "off" and s["perturbed_by_pass"] == {stream[0].rid: 0}
 
 
+def test_a_mismatch_keeps_both_sides_tokens_for_a_third_engine(tmp_path, monkeypatch):
+    """benchmarks/transformers_arbiter.py reads them: the prompt, the stream's and the reference's tokens."""
+    def streams(stream, ref):
+        off = _stream_outputs(stream, ref)
+        wrong = off["results"][stream[1].rid]
+        wrong["tokens"] = [wrong["tokens"][0] + 500] + wrong["tokens"][1:]  # far from the reference's top two
+        return {"off": off, "on": _stream_outputs(stream, ref)}
+
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on"), streams)
+    moved = stream[1]
+    reference = json.loads((tmp_path / "reference_prefix_caching.json").read_text())[json.dumps(list(moved.prompt))]
+    kept = s["runs"]["off"]["mismatched_outputs"]
+    assert list(kept) == s["runs"]["off"]["mismatched_ids"] == [moved.rid]
+    assert kept[moved.rid]["prompt"] == list(moved.prompt)
+    assert kept[moved.rid]["reference"] == reference["tokens"]
+    assert kept[moved.rid]["stream"] == [reference["tokens"][0] + 500] + reference["tokens"][1:]
+    assert s["runs"]["on"]["mismatched_outputs"] == {}
+
+
 @pytest.mark.parametrize("stale_in_baseline", [True, False])
 def test_a_request_the_baseline_read_stale_is_judged_by_its_isolated_run(tmp_path, monkeypatch, stale_in_baseline):
     def streams(stream, ref):
