@@ -155,8 +155,36 @@ _COMMON_ENGINE = dict(
 )
 
 
+# Tiny Qwen3-Next MTP requests the GDN MTP stream can hold at once where vLLM holds the KV pool
+# against whole speculative reservations (mtp_blocks): with the common 8 blocks vLLM 0.34 ran
+# the 40-request stream one request at a time (951 speculating rows in 951 steps, H100).
+MTP_REQUESTS_AT_ONCE = 4
+
+
+def mtp_blocks(k: int, requests: int) -> int | None:
+    """KV blocks for ``requests`` tiny Qwen3-Next MTP requests at once where 8 hold only one, else None.
+
+    vLLM 0.34 (whose KV planning lives in ``vllm.v1.core.kv_cache_planning``) holds
+    ``num_gpu_blocks_override`` against one request's whole reservation: 1 + k blocks in each
+    of the tiny Qwen3-Next's three GDN groups and one in its attention group, beside the null
+    block. With 9 blocks (8 usable) it refused to start with k = 2 ("0.0 GiB KV cache is needed,
+    which is larger than ...") and with k = 1 never ran a second request beside the first
+    (H100, d027a3a). vLLM 0.26-0.32 plan blocks per group and run several with 8.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("vllm.v1.core.kv_cache_planning") is None:
+        return None
+    return 1 + requests * (1 + 3 * (1 + k))
+
+
 def engine_settings(config: str) -> dict:
-    return {**_COMMON_ENGINE, **ENGINE_CONFIGS[config]}
+    settings = {**_COMMON_ENGINE, **ENGINE_CONFIGS[config]}
+    if config == "mtp":  # the tiny Qwen3-Next's three GDN groups (mtp_blocks)
+        blocks = mtp_blocks(settings["speculative_config"]["num_speculative_tokens"], MTP_REQUESTS_AT_ONCE)
+        if blocks is not None:
+            settings["num_gpu_blocks_override"] = blocks
+    return settings
 
 
 @dataclass(frozen=True)

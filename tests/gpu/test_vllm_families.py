@@ -42,6 +42,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared
 from harness.coverage import record  # noqa: E402
 from gdn_pass.checker.demo import compare  # noqa: E402
 from harness.families import FAMILY_ENGINE_ARGS, kind_for_vllm  # noqa: E402
+from harness.fuzz import mtp_blocks  # noqa: E402
 from harness.tiny_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
 from vllm_engines import LOGPROB_TOL, scenario, vllm_reroutes_fresh_rows  # noqa: E402
 
@@ -81,27 +82,13 @@ def _kind(family: str) -> str | None:
 CASES = [c for c in _all_cases() if any(fnmatch.fnmatch(f"{c[0]}/{c[1]}", p) for p in PATTERNS)]
 
 
-def mtp_blocks(k: int) -> int | None:
-    """The KV blocks of an MTP scenario engine where the scenario's 9 are too few, else None.
-
-    vLLM 0.34 (whose KV planning lives in ``vllm.v1.core.kv_cache_planning``) holds
-    ``num_gpu_blocks_override`` against one request's whole reservation: 1 + k blocks in each
-    of the tiny Qwen3-Next's three GDN groups and one in its attention group. With 9 blocks
-    (8 usable) it refused to start with k = 2 ("0.0 GiB KV cache is needed, which is larger
-    than ...") and with k = 1 never ran R3 beside R2 (H100, d027a3a). Room for exactly R1 and
-    R2 keeps R1's blocks the only free ones when R3 arrives. vLLM 0.26 ran both with 9.
-    """
-    if importlib.util.find_spec("vllm.v1.core.kv_cache_planning") is None:
-        return None
-    return 1 + 2 * (1 + 3 * (1 + k))
-
-
 def _arguments(kind: str, mode: str) -> list[str]:
     args = list(FAMILY_ENGINE_ARGS.get(kind, ()))
     if mode in SPEC_MODES:
         spec = {"method": "mtp", "num_speculative_tokens": SPEC_MODES[mode]}
         args += ["--engine-arg", f"speculative_config={json.dumps(spec)}"]
-        blocks = mtp_blocks(SPEC_MODES[mode])
+        blocks = mtp_blocks(SPEC_MODES[mode], 2)  # room for exactly R1 and R2: R1's blocks are the
+        # only free ones when R3 arrives
         if blocks is not None:
             args += ["--engine-arg", f"num_gpu_blocks_override={blocks}"]
     else:
