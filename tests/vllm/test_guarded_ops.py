@@ -38,3 +38,107 @@ def test_other_gdn_pass_ops_still_resolve():
     import inductor_ext.gated_gather  # noqa: F401  (defines gdn_pass::gated_gather)
 
     assert torch.ops.gdn_pass.gated_gather.default is not None
+
+
+# --- the guarded op calls the original's kernel without a second trip through the dispatcher ---
+
+def _stand_in_op(name: str, kernel, monkeypatch):
+    """``gdnpasstest::<name>`` registered with ``kernel`` as its CPU kernel, from a module of that
+    namespace (as vLLM registers its core ops), and the spec the pass would match it with. Each test
+    has an op name of its own: a guarded op is named after the op, once per process."""
+    import types
+
+    from gdn_pass.opaque_ops import OpaqueStateOp
+
+    module = types.ModuleType(f"gdnpasstest.{name}_layers")
+    setattr(module, name, kernel)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    lib = torch.library.Library("gdnpasstest", "FRAGMENT")
+    lib.define(f"{name}(Tensor x, Tensor(a!) out, str layer_name) -> ()")
+    lib.impl(name, kernel, "CPU")
+    spec = OpaqueStateOp(f"gdnpasstest::{name}", ("x", "out", "layer_name"))
+    return getattr(torch.ops.gdnpasstest, name).default, spec, lib
+
+
+def _ops_run(fn) -> list[str]:
+    """The dispatcher ops the profiler saw while ``fn`` ran."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return [event.name for event in prof.events()]
+
+
+def _guard_seen(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    monkeypatch.setattr(guarded_ops, "zero_fresh_state", seen.append)
+    return seen
+
+
+def test_guarded_op_runs_the_guard_then_the_kernel_in_one_dispatch(monkeypatch):
+    seen = _guard_seen(monkeypatch)
+
+    def direct_core(x, out, layer_name):
+        out.copy_(x + 1)
+
+    op, spec, _lib = _stand_in_op("direct_core", direct_core, monkeypatch)
+    assert guarded_ops.registered_kernel(op) is direct_core
+    guarded = guarded_ops.guarded_overload(op, spec)
+    x, out = torch.arange(4.0), torch.zeros(4)
+    names = _ops_run(lambda: guarded(x, out, "model.layers.3.linear_attn"))
+    assert seen == ["model.layers.3.linear_attn"]
+    assert torch.equal(out, x + 1)  # the original's kernel ran, with the guarded op's arguments
+    assert "gdn_pass::guarded_direct_core" in names
+    # The original op is not dispatched a second time (about 4.5 us per call on a CPU host).
+    assert "gdnpasstest::direct_core" not in names, names
+
+
+def test_guarded_op_dispatches_the_original_where_its_kernel_is_not_certain(monkeypatch):
+    seen = _guard_seen(monkeypatch)
+
+    def unsure_core(x, out, layer_name):
+        out.copy_(x * 2)
+
+    def renamed(x, out, name):  # same name, other parameters: not the op's kernel for certain
+        raise AssertionError("called a function that is not the op's kernel")
+
+    op, spec, _lib = _stand_in_op("unsure_core", unsure_core, monkeypatch)
+    renamed.__name__ = "unsure_core"
+    monkeypatch.setattr(sys.modules["gdnpasstest.unsure_core_layers"], "unsure_core", renamed)
+    assert guarded_ops.registered_kernel(op) is None
+    guarded = guarded_ops.guarded_overload(op, spec)
+    x, out = torch.arange(4.0), torch.zeros(4)
+    names = _ops_run(lambda: guarded(x, out, "model.layers.0.linear_attn"))
+    assert seen == ["model.layers.0.linear_attn"] and torch.equal(out, x * 2)
+    assert "gdnpasstest::unsure_core" in names  # through the dispatcher, as before
+
+
+def test_two_functions_of_the_op_name_are_not_taken(monkeypatch):
+    import types
+
+    def two_core(x, out, layer_name):
+        pass
+
+    op, _spec, _lib = _stand_in_op("two_core", two_core, monkeypatch)
+    assert guarded_ops.registered_kernel(op) is two_core
+    other = types.ModuleType("gdnpasstest.other")
+
+    def two_core(x, out, layer_name):  # noqa: F811 - another function of the same name and parameters
+        pass
+
+    other.two_core = two_core
+    monkeypatch.setitem(sys.modules, other.__name__, other)
+    assert guarded_ops.registered_kernel(op) is None
+
+
+def test_vllm_core_ops_kernels_are_the_functions_vllm_registered():
+    from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
+
+    gdn_attention.register_cpu_gdn_attention_ops()
+    expected = {torch.ops.vllm.cpu_gdn_attention_core.default: gdn_attention.cpu_gdn_attention_core}
+    try:
+        from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as qwen
+    except ImportError:  # releases before the gdn/ package: the CPU op above
+        qwen = None
+    if qwen is not None:
+        expected[torch.ops.vllm.qwen_gdn_attention_core.default] = qwen.qwen_gdn_attention_core
+    for op, kernel in expected.items():
+        assert guarded_ops.registered_kernel(op) is kernel, op
