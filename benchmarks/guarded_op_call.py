@@ -8,13 +8,13 @@ Three ways to make that call, timed interleaved in one process (best of
 
     original            torch.ops.vllm.<op>(...)              a plain engine's call
     guarded, dispatched the op guard, then torch.ops.vllm.<op>  the guarded op before it
-                                                                called the kernel directly
+                                                                called vLLM's function directly
     guarded, direct     torch.ops.gdn_pass.guarded_<op>(...)  gdn-pass's guarded op now:
-                                                                the op guard, then the kernel
+                                                                the op guard, then vLLM's function
 
 Every call does only its host work: the forward context has no metadata
 (as in vLLM's profiling run), so the op guard returns at its first check and
-vLLM's kernel finds a layer whose core does nothing. The op guard's own
+vLLM's function finds a layer whose core does nothing. The op guard's own
 per-step path is timed by ``hook_host_time.py --forward``.
 
     python benchmarks/guarded_op_call.py [--number N] [--repeat R] [--out DIR]
@@ -61,7 +61,7 @@ def core_op(device: torch.device):
 
 
 def fake_forward_context(layer_name: str):
-    """vLLM's forward context of a profiling run, seen by vLLM's kernel and by the op guard alike."""
+    """vLLM's forward context of a profiling run, seen by vLLM's function and by the op guard alike."""
     import vllm.forward_context
 
     class IdleLayer:
@@ -72,7 +72,7 @@ def fake_forward_context(layer_name: str):
 
     context = SimpleNamespace(attn_metadata=None, no_compile_layers={layer_name: IdleLayer()})
     vllm.forward_context.get_forward_context = lambda: context
-    for module in list(sys.modules.values()):  # the kernels' own imported name
+    for module in list(sys.modules.values()):  # the functions' own imported name
         if getattr(module, "__name__", "").startswith("vllm.") and "get_forward_context" in getattr(
                 module, "__dict__", {}):
             module.get_forward_context = vllm.forward_context.get_forward_context
@@ -149,19 +149,19 @@ def main() -> None:
                 runs[name].append(timeit.timeit(lambda: fn(*args), number=options.number) / options.number * 1e6)
     best = {name: min(values) for name, values in runs.items()}
     median = {name: statistics.median(values) for name, values in runs.items()}
-    kernel = guarded_ops.registered_kernel(op)
+    function = guarded_ops.registered_function(op)
     result = {
         "command": "python benchmarks/guarded_op_call.py " + " ".join(sys.argv[1:]),
         "commit": _commit(), "op": op.name(), "device": torch.cuda.get_device_name() if device.type == "cuda"
         else platform.processor() or "cpu", "vllm": vllm.__version__, "torch": torch.__version__,
-        "kernel_found": None if kernel is None else f"{kernel.__module__}.{kernel.__name__}",
+        "function_found": None if function is None else f"{function.__module__}.{function.__name__}",
         "us_per_call_best": {k: round(v, 3) for k, v in best.items()},
         "us_per_call_median": {k: round(v, 3) for k, v in median.items()},
         "number": options.number, "repeat": options.repeat,
     }
     original = best["original"]
     lines = [f"{result['op']} on {result['device']}, vLLM {result['vllm']}, torch {result['torch']}, "
-             f"commit {result['commit']}; kernel: {result['kernel_found']}",
+             f"commit {result['commit']}; vLLM's function: {result['function_found']}",
              "| call | us per call (best) | median | beyond the original's call, us | x the original |",
              "|---|---|---|---|---|"]
     for name in variants:

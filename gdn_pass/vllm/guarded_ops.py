@@ -3,13 +3,13 @@
 ``gdn_pass::guarded_<name>`` is defined from the original op's schema (only
 the name changes), so auto_functionalized, reinplacing, DCE and Inductor's
 fallback-kernel codegen treat it exactly like the original. Its body is the
-op guard (``op_guard.zero_fresh_state``), then the original op's kernel::
+op guard (``op_guard.zero_fresh_state``), then vLLM's function for the op::
 
-    before:  torch.ops.vllm.X(args)          -> dispatcher -> X's Python kernel
+    before:  torch.ops.vllm.X(args)          -> dispatcher -> X's Python function
     after:   torch.ops.gdn_pass.guarded_X(args) -> dispatcher -> zero_fresh_state(layer)
-                                                              -> X's Python kernel
+                                                              -> X's Python function
 
-The original's kernel is called directly, not through ``torch.ops.vllm.X``:
+vLLM's function is called directly, not through ``torch.ops.vllm.X``:
 a second trip through the dispatcher (Python arguments to the C++ stack and
 back) costs about 4.5 us per call on a CPU host, per GDN layer of every
 step that runs the guarded ops (piecewise steps; a replayed FULL graph runs
@@ -35,7 +35,7 @@ from gdn_pass._logging import logger
 from gdn_pass.opaque_ops import OpaqueStateOp
 from gdn_pass.vllm.op_guard import zero_fresh_state
 
-__all__ = ["guarded_overload", "guarded_name", "define_on_lookup", "registered_kernel"]
+__all__ = ["guarded_overload", "guarded_name", "define_on_lookup", "registered_function"]
 
 _LIB = torch.library.Library("gdn_pass", "FRAGMENT")
 _DEFINED: dict[str, torch._ops.OpOverload] = {}
@@ -92,7 +92,7 @@ def _schema_tail(op: torch._ops.OpOverload) -> str:
     return tail
 
 
-def registered_kernel(op: torch._ops.OpOverload) -> Callable | None:
+def registered_function(op: torch._ops.OpOverload) -> Callable | None:
     """The Python function the dispatcher runs for ``op``, or None where it cannot be found for certain.
 
     vLLM's ``direct_register_custom_op(op_name=name, op_func=fn)`` keeps no
@@ -123,11 +123,11 @@ def registered_kernel(op: torch._ops.OpOverload) -> Callable | None:
 
 def _guarded_impl(op: torch._ops.OpOverload, spec: OpaqueStateOp):
     index = spec.layer_arg_index
-    kernel = registered_kernel(op)
-    if kernel is None:
-        logger.info("gdn-pass: %s's Python kernel not found; its guarded op calls it through the "
+    function = registered_function(op)
+    if function is None:
+        logger.info("gdn-pass: %s's Python function not found; its guarded op calls it through the "
                     "dispatcher (about 4.5 us more per call)", op.name())
-    original = op if kernel is None else kernel
+    original = op if function is None else function
 
     def impl(*args, **kwargs):
         layer = kwargs[spec.layer_arg] if spec.layer_arg in kwargs else args[index]

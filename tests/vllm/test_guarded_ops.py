@@ -40,10 +40,10 @@ def test_other_gdn_pass_ops_still_resolve():
     assert torch.ops.gdn_pass.gated_gather.default is not None
 
 
-# --- the guarded op calls the original's kernel without a second trip through the dispatcher ---
+# --- the guarded op calls vLLM's function without a second trip through the dispatcher ---
 
-def _stand_in_op(name: str, kernel, monkeypatch):
-    """``gdnpasstest::<name>`` registered with ``kernel`` as its CPU kernel, from a module of that
+def _stand_in_op(name: str, function, monkeypatch):
+    """``gdnpasstest::<name>`` registered with ``function`` as its CPU implementation, from a module of that
     namespace (as vLLM registers its core ops), and the spec the pass would match it with. Each test
     has an op name of its own: a guarded op is named after the op, once per process."""
     import types
@@ -51,11 +51,11 @@ def _stand_in_op(name: str, kernel, monkeypatch):
     from gdn_pass.opaque_ops import OpaqueStateOp
 
     module = types.ModuleType(f"gdnpasstest.{name}_layers")
-    setattr(module, name, kernel)
+    setattr(module, name, function)
     monkeypatch.setitem(sys.modules, module.__name__, module)
     lib = torch.library.Library("gdnpasstest", "FRAGMENT")
     lib.define(f"{name}(Tensor x, Tensor(a!) out, str layer_name) -> ()")
-    lib.impl(name, kernel, "CPU")
+    lib.impl(name, function, "CPU")
     spec = OpaqueStateOp(f"gdnpasstest::{name}", ("x", "out", "layer_name"))
     return getattr(torch.ops.gdnpasstest, name).default, spec, lib
 
@@ -73,37 +73,37 @@ def _guard_seen(monkeypatch) -> list[str]:
     return seen
 
 
-def test_guarded_op_runs_the_guard_then_the_kernel_in_one_dispatch(monkeypatch):
+def test_guarded_op_runs_the_guard_then_vllms_function_in_one_dispatch(monkeypatch):
     seen = _guard_seen(monkeypatch)
 
     def direct_core(x, out, layer_name):
         out.copy_(x + 1)
 
     op, spec, _lib = _stand_in_op("direct_core", direct_core, monkeypatch)
-    assert guarded_ops.registered_kernel(op) is direct_core
+    assert guarded_ops.registered_function(op) is direct_core
     guarded = guarded_ops.guarded_overload(op, spec)
     x, out = torch.arange(4.0), torch.zeros(4)
     names = _ops_run(lambda: guarded(x, out, "model.layers.3.linear_attn"))
     assert seen == ["model.layers.3.linear_attn"]
-    assert torch.equal(out, x + 1)  # the original's kernel ran, with the guarded op's arguments
+    assert torch.equal(out, x + 1)  # the original's function ran, with the guarded op's arguments
     assert "gdn_pass::guarded_direct_core" in names
     # The original op is not dispatched a second time (about 4.5 us per call on a CPU host).
     assert "gdnpasstest::direct_core" not in names, names
 
 
-def test_guarded_op_dispatches_the_original_where_its_kernel_is_not_certain(monkeypatch):
+def test_guarded_op_dispatches_the_original_where_its_function_is_not_certain(monkeypatch):
     seen = _guard_seen(monkeypatch)
 
     def unsure_core(x, out, layer_name):
         out.copy_(x * 2)
 
-    def renamed(x, out, name):  # same name, other parameters: not the op's kernel for certain
-        raise AssertionError("called a function that is not the op's kernel")
+    def renamed(x, out, name):  # same name, other parameters: not the op's function for certain
+        raise AssertionError("called a function that is not the op's")
 
     op, spec, _lib = _stand_in_op("unsure_core", unsure_core, monkeypatch)
     renamed.__name__ = "unsure_core"
     monkeypatch.setattr(sys.modules["gdnpasstest.unsure_core_layers"], "unsure_core", renamed)
-    assert guarded_ops.registered_kernel(op) is None
+    assert guarded_ops.registered_function(op) is None
     guarded = guarded_ops.guarded_overload(op, spec)
     x, out = torch.arange(4.0), torch.zeros(4)
     names = _ops_run(lambda: guarded(x, out, "model.layers.0.linear_attn"))
@@ -118,7 +118,7 @@ def test_two_functions_of_the_op_name_are_not_taken(monkeypatch):
         pass
 
     op, _spec, _lib = _stand_in_op("two_core", two_core, monkeypatch)
-    assert guarded_ops.registered_kernel(op) is two_core
+    assert guarded_ops.registered_function(op) is two_core
     other = types.ModuleType("gdnpasstest.other")
 
     def two_core(x, out, layer_name):  # noqa: F811 - another function of the same name and parameters
@@ -126,10 +126,10 @@ def test_two_functions_of_the_op_name_are_not_taken(monkeypatch):
 
     other.two_core = two_core
     monkeypatch.setitem(sys.modules, other.__name__, other)
-    assert guarded_ops.registered_kernel(op) is None
+    assert guarded_ops.registered_function(op) is None
 
 
-def test_vllm_core_ops_kernels_are_the_functions_vllm_registered():
+def test_vllm_core_ops_resolve_to_the_functions_vllm_registered():
     from vllm.model_executor.layers.mamba.ops.cpu import gdn_attention
 
     gdn_attention.register_cpu_gdn_attention_ops()
@@ -140,5 +140,5 @@ def test_vllm_core_ops_kernels_are_the_functions_vllm_registered():
         qwen = None
     if qwen is not None:
         expected[torch.ops.vllm.qwen_gdn_attention_core.default] = qwen.qwen_gdn_attention_core
-    for op, kernel in expected.items():
-        assert guarded_ops.registered_kernel(op) is kernel, op
+    for op, function in expected.items():
+        assert guarded_ops.registered_function(op) is function, op
