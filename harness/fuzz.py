@@ -69,8 +69,8 @@ from pathlib import Path
 
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, counts_supplied_rows, engine_drift,
                                 first_token_mismatch, fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows,
-                                kept_off_full_graph_rows, largest_shift, one_token_paths, perturbed_by_pass, resume_points, resumed_drift,
-                                schedule_moved, spec_prompt_rows)
+                                kept_off_full_graph_rows, largest_shift, one_token_paths, padded_first_steps,
+                                perturbed_by_pass, resume_points, resumed_drift, schedule_moved, spec_prompt_rows)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
            "HARNESS_FIX", "CLEAN_OFF"]
@@ -637,6 +637,8 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
             resumed_after_preemption=sum(1 for rid in preempted if results.get(rid, {}).get("finished")),
             resume_references=sum(len(resume_points(run, r.rid)) for r in stream),
             one_token_prompts_on_prefill_path=sum(base_key(r, paths).startswith(PREFILL_PATH) for r in stream),
+            # requests whose first step the scheduler padded with placeholder drafts (MTP)
+            padded_first_steps=_by_request(padded_first_steps(run, {r.rid: len(r.prompt) for r in stream})),
             prefix_cache_hits=run.get("prefix_cache_hits"), run_s=run["run_s"],
             rejected=sum("rejected" in v for v in results.values()),
             aborted=sum(bool(v.get("aborted")) for v in results.values()),

@@ -31,7 +31,7 @@ class FuzzRequest(Protocol):
     max_tokens: int | None
 
 __all__ = ["NEAR_TIE_TOL", "DRIFT_TOL", "PREFILL_PATH", "prefill_path_key", "classify", "classify_resumed",
-           "resumed_drift", "base_key", "resume_points", "one_token_paths", "fresh_reads",
+           "resumed_drift", "base_key", "resume_points", "one_token_paths", "padded_first_steps", "fresh_reads",
            "fresh_reads_other_builders", "logprob_drift", "perturbed_by_pass", "largest_shift", "first_token_mismatch",
            "engine_drift", "footprint_problem", "host_noise"]
 
@@ -92,6 +92,24 @@ def _per_request(run: dict, field: str) -> dict[str, str]:
 def one_token_paths(run: dict) -> dict[str, str]:
     """Fresh one-token requests -> "prefill" if their step had prefills, else "decode"."""
     return _per_request(run, "one_token_paths")
+
+
+def padded_first_steps(run: dict, prompt_lens: dict[str, int]) -> dict[str, int]:
+    """Requests whose first step ran more tokens than their prompt has -> that step's tokens.
+
+    With speculative decoding vLLM's scheduler (0.27-0.34) pads a new one-token
+    request admitted beside a running one to ``1 + k`` tokens with placeholder
+    drafts; on 0.34's V2 runner GDN's prefill path then keeps the placeholders
+    in the request's state (``docs/fuzz.md``, Speculative decoding). Read from
+    the rank-0 trace's ``schedule`` (per request, each step as (tokens computed
+    before, its tokens, ...)); a request without a first step there is left out.
+    """
+    padded = {}
+    for rid, steps in _per_request(run, "schedule").items():
+        first = next((step for step in steps if step[0] == 0), None)
+        if first is not None and rid in prompt_lens and first[1] > prompt_lens[rid]:
+            padded[rid] = first[1]
+    return padded
 
 
 def fresh_reads(run: dict) -> dict[str, str]:

@@ -448,3 +448,29 @@ def test_against_a_clean_baseline_pass_on_runs_again_on_caches_zeroed_after_star
         assert "second pass-on engine (on+zeroed_at_start)" in host_noise(s)
     else:
         assert s["engine_drift"] == {} and "must leave alone" in footprint_problem(s)
+
+
+def test_a_first_step_longer_than_the_prompt_is_a_padded_one():
+    """vLLM's scheduler pads a new one-token request beside a running one with placeholder drafts."""
+    from harness.fuzz_judge import padded_first_steps
+
+    run = {"traces": [{"schedule": {
+        "q1-0000abcd": [[0, 2, 5, 3, "PIECEWISE"], [1, 2, 6, 3, "FULL"]],  # 1 prompt token + 1 placeholder
+        "q2-0000abcd": [[0, 1, 1, 1, "PIECEWISE"], [1, 2, 2, 1, "FULL"]],  # admitted alone: not padded
+        "q3-0000abcd": [[0, 8, 9, 2, "PIECEWISE"], [8, 2, 4, 2, "PIECEWISE"]],  # a 10-token prompt in chunks
+        "q4-0000abcd": [[4, 3, 3, 1, "FULL"]],  # no first step in the trace (resumed): left out
+    }}]}
+    prompt_lens = {"q1": 1, "q2": 1, "q3": 10, "q4": 1}
+    assert padded_first_steps(run, prompt_lens) == {"q1": 2}
+    assert padded_first_steps({"traces": []}, prompt_lens) == {}
+
+
+def test_the_summary_names_the_requests_whose_first_step_was_padded(tmp_path, monkeypatch):
+    def streams(stream, ref):
+        one = stream[0].rid
+        padded = {one: [[0, len(stream[0].prompt) + 1, 4, 2, "PIECEWISE"]]}
+        return {"off": _stream_outputs(stream, ref, schedule=padded), "on": _stream_outputs(stream, ref)}
+
+    stream, s = _judge(tmp_path, monkeypatch, ("off", "on"), streams)
+    assert s["runs"]["off"]["padded_first_steps"] == {stream[0].rid: len(stream[0].prompt) + 1}
+    assert s["runs"]["on"]["padded_first_steps"] == {}
