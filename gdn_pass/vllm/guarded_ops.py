@@ -109,8 +109,7 @@ def registered_function(op: torch._ops.OpOverload) -> Callable | None:
         if module is None or not (module_name == namespace or module_name.startswith(namespace + ".")):
             continue
         fn = getattr(module, "__dict__", {}).get(name)
-        if (inspect.isfunction(fn) and getattr(fn, "__name__", None) == name
-                and not any(fn is other for other in found)):
+        if inspect.isfunction(fn) and fn.__name__ == name and fn not in found:  # re-exported: one function
             found.append(fn)
     if len(found) != 1:
         return None

@@ -87,8 +87,8 @@ def _arguments(kind: str, mode: str) -> list[str]:
     if mode in SPEC_MODES:
         spec = {"method": "mtp", "num_speculative_tokens": SPEC_MODES[mode]}
         args += ["--engine-arg", f"speculative_config={json.dumps(spec)}"]
-        blocks = mtp_blocks(SPEC_MODES[mode], 2)  # room for exactly R1 and R2: R1's blocks are the
-        # only free ones when R3 arrives
+        # Room for exactly R1 and R2: R1's blocks are the only free ones when R3 arrives.
+        blocks = mtp_blocks(SPEC_MODES[mode], 2)
         if blocks is not None:
             args += ["--engine-arg", f"num_gpu_blocks_override={blocks}"]
     else:

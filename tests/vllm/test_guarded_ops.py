@@ -119,6 +119,10 @@ def test_two_functions_of_the_op_name_are_not_taken(monkeypatch):
 
     op, _spec, _lib = _stand_in_op("two_core", two_core, monkeypatch)
     assert guarded_ops.registered_function(op) is two_core
+    again = types.ModuleType("gdnpasstest.reexports")  # the same function imported elsewhere: still one
+    again.two_core = two_core
+    monkeypatch.setitem(sys.modules, again.__name__, again)
+    assert guarded_ops.registered_function(op) is two_core
     other = types.ModuleType("gdnpasstest.other")
 
     def two_core(x, out, layer_name):  # noqa: F811 - another function of the same name and parameters
