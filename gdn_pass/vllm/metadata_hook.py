@@ -41,7 +41,7 @@ import torch
 
 from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import builders, compat, draftless_steps, prompt_chunks, step_guard, support
+from gdn_pass.vllm import accepted_counts, builders, compat, draftless_steps, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, join
 from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
@@ -72,6 +72,11 @@ class BuilderState:
     entry: builders.StateBuilder
     context: compat.BuilderContext
     keeps_decodes: bool = False
+    # The step guard zeroes this group whatever the compiled graph holds (``Decision.padded_only``).
+    step_guard_only: bool = False
+    # vLLM derives other groups' metadata from this builder's (``update_block_table``): each build
+    # keeps its inputs on its metadata for them.
+    shares_metadata: bool = False
     rows: StagedRowMetadata | None = None
     owner: step_guard.Owner | None = None
     prompt_chunks: prompt_chunks.PromptChunks | None = None
@@ -162,14 +167,42 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
             kwargs = chunks.call_kwargs(inputs[0], kwargs)
             metadata = original_build(self, *args, **kwargs)
             chunks.keep_state_in_first_column(self, *inputs, metadata)
+            if state.shares_metadata:
+                setattr(metadata, _BUILD_INPUTS, (args, kwargs))
             return _guard_step(self, state, original_build, args, kwargs, metadata, inputs)
         metadata = original_build(self, *args, **kwargs)
+        if state.shares_metadata:
+            setattr(metadata, _BUILD_INPUTS, (args, kwargs))
         # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
         return _guard_step(self, state, original_build, args, kwargs, metadata)
 
     setattr(build, _MARK, True)
     cls.__init__ = __init__
     cls.build = build
+    original_update = cls.__dict__.get("update_block_table")
+    if original_update is None:
+        return
+
+    @functools.wraps(original_update)
+    def update_block_table(self, metadata, *args, **kwargs):
+        derived = original_update(self, metadata, *args, **kwargs)
+        state = self.__dict__.get(_BUILDER_STATE)
+        # Guarded once, by the wrapper the builder's class resolves to (a subclass's own, if any).
+        if state is None or type(self).update_block_table is not update_block_table:
+            return derived
+        # Another group's metadata made from this step's first build: guarded as if built here.
+        inputs = getattr(metadata, _BUILD_INPUTS, None)
+        if inputs is None:  # not from a build this hook saw (never in vLLM 0.31-0.34): built from the next step on
+            self.supports_update_block_table = False
+            _warn_once(f"update-block-table-source:{entry.key}",
+                       f"gdn-pass: {type(self).__name__}.update_block_table was given metadata no hooked build "
+                       "made, so one step of its group went unguarded; the group builds its own metadata from "
+                       "the next step on")
+            return derived
+        return _guard_step(self, state, original_build, *inputs, derived)
+
+    setattr(update_block_table, _MARK, True)
+    cls.update_block_table = update_block_table
 
 
 def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -291,14 +324,22 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         return
     state = builder.__dict__[_BUILDER_STATE] = BuilderState(entry, context)
     if getattr(builder, "supports_update_block_table", False):
-        # vLLM would build this metadata for the first group of a step only and derive the
-        # other groups' by update_block_table (dataclasses.replace): no hook would run for
-        # them and no hand-off reach their guards. Each group is built, as vLLM does for
-        # builders without that support (GDN's from 0.31 on the V2 runner, where it stands down).
-        builder.supports_update_block_table = False
-        _info_once(f"update-block-table:{entry.key}",
-                   f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
-                   "update_block_table shortcut would bypass the guard)")
+        # vLLM builds this metadata for the first group of a step only and derives the other
+        # groups' by update_block_table (GDN's, 0.31+ on the V2 runner): the hook's wrapper of
+        # that method guards each derived metadata from the first build's inputs, which every
+        # build keeps on its metadata. A class whose own method is not wrapped is built per group.
+        if not getattr(getattr(type(builder), "update_block_table", None), _MARK, False):
+            builder.supports_update_block_table = False
+            _info_once(f"update-block-table:{entry.key}",
+                       f"gdn-pass: {entry.class_name} builds every group's metadata itself (vLLM's "
+                       "update_block_table shortcut would bypass the guard)")
+        else:
+            state.shares_metadata = True
+    if decision.counts_padded_drafts:
+        _count_padded_drafts(entry, builder, context.vllm_config)
+    if decision.padded_only:
+        state.step_guard_only = True
+        _info_once(f"padded-only:{entry.key}", f"gdn-pass: {decision.why}")
     state.prompt_chunks = prompt_chunks.for_builder(entry, builder, context.vllm_config)
     if entry.prefills_draftless_rows:
         draftless_steps.keep_off_full_graphs(builder, context.vllm_config)
@@ -307,9 +348,26 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")
 
 
+def _count_padded_drafts(entry: builders.StateBuilder, builder, vllm_config) -> None:
+    """Make sure the padded new requests' drafts reach ``builder`` (``Decision.padded_only``): vLLM's V2
+    runner counts none for a row still prefilling; ``accepted_counts`` makes it. Where it cannot,
+    start-up says what remains (vLLM's own: the placeholders stay in such a request's state)."""
+    if not support.runs_v2_model_runner(vllm_config):
+        return  # the V1 runner counts a padded row's drafts itself
+    why_not = accepted_counts.supply(builder)
+    if why_not is not None:
+        _warn_once(f"padded-drafts:{entry.key}",
+                   f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner counts no drafts for a new "
+                   f"request the scheduler padded with placeholder drafts, and gdn-pass cannot count them for "
+                   f"{entry.class_name}: {why_not}. Such a request's prefill path keeps the placeholders in its "
+                   "state, and its later tokens can come out wrong (vLLM's own)")
+
+
 _STEP = step_guard.Owner.STEP
 _NOT_BOUND = object()  # _group_state: the group's first layer has no caches
 _UNREAD = object()  # _guard_step: the draft counts not read yet
+# The attribute on a build's metadata that keeps the build's inputs for update_block_table.
+_BUILD_INPUTS = "_gdn_pass_build_inputs"
 
 
 def _decide_owner(state: BuilderState) -> step_guard.Owner:
@@ -320,7 +378,7 @@ def _decide_owner(state: BuilderState) -> step_guard.Owner:
     micro_batched = compat.micro_batched(context.vllm_config)
     owner = step_guard.decide_owner(
         context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config)
-        and not micro_batched)
+        and not micro_batched and not state.step_guard_only)
     uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
     logger.info(
         "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
@@ -328,6 +386,7 @@ def _decide_owner(state: BuilderState) -> step_guard.Owner:
         else "by the step guard at metadata build (one zeroing launch per step with fresh rows)",
         f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
         if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards and not micro_batched
+        and not state.step_guard_only
         else "; micro-batched steps (dual-batch overlap)" if micro_batched else "")
     return owner
 

@@ -13,6 +13,10 @@ is the last one and ran a decode path exactly when every row is a decode::
                                                                  can gdn-pass keep the step on decode?)
     speculative (k > 0)   (10, 1 + k) speculating, (0, 1 + k)    as one_token
                           fresh; drafts [k, -1], accepted 1
+    padded (k > 0)        as speculative, drafts [k, k]: a new    as one_token
+                          one-token request the scheduler padded
+                          with k placeholder drafts, its drafts
+                          counted (as vLLM's V1 runner counts them)
 
 ``is_prefilling`` (0.31+) is what the runner says of each row: False for
 the row with history, True for the fresh one. The steps are small host and
@@ -50,16 +54,23 @@ class SplitFindings:
     """What the builder's own split did with a fresh row (see the module table).
 
     ``without_prefilling`` is None where it was not asked (``one_token`` reads
-    the slot, or this release has no ``is_prefilling``); ``speculative`` is
-    None without speculative decoding.
+    the slot, or this release has no ``is_prefilling``); ``speculative`` and
+    ``padded`` are None where not asked (no speculative decoding; ``padded``:
+    a builder without draft counts, or with slot columns, which ``speculative``
+    covers). ``padded`` is not part of ``reads_stale_slot``: whether the
+    runner counts a padded row's drafts is the runner's, not the builder's
+    (``support.decide``).
     """
 
     one_token: bool
     without_prefilling: bool | None
     speculative: bool | None
+    padded: bool | None = None
     # The one_token probe's step and the metadata the builder built for it (the rows check reads them).
     step: object = dataclasses.field(default=None, repr=False, compare=False)
     metadata: object = dataclasses.field(default=None, repr=False, compare=False)
+    # The padded probe's step, metadata and draft counts (the rows check reads them too).
+    padded_build: tuple | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def reads_stale_slot(self) -> bool:
         """Does a fresh row reach a decode path in a step the runner sends as it is?"""
@@ -178,17 +189,27 @@ def probe_split(build, builder, device: torch.device, *, num_speculative_tokens:
             without_prefilling = fresh_row_decoded([_HISTORY, 0], [1, 1], None)
         except ProbeError:  # a split that needs is_prefilling: the decode path cannot be kept
             without_prefilling = False
-    spec = None
+    spec = padded = padded_build = None
     k = num_speculative_tokens
-    if speculative and k > 0:
+    if k > 0:
         params = inspect.signature(wrapped_build(build)[0]).parameters
-        extra = {}
-        if "num_accepted_tokens" in params:
-            extra["num_accepted_tokens"] = torch.ones(2, dtype=torch.int32, device=device)
-        if "num_decode_draft_tokens_cpu" in params:
-            extra["num_decode_draft_tokens_cpu"] = torch.tensor([k, -1], dtype=torch.int32)
-        spec = fresh_row_decoded([_HISTORY, 0], [1 + k, 1 + k], flags, **extra)
-    return SplitFindings(one_token, without_prefilling, spec, step, metadata)
+        takes_drafts = "num_decode_draft_tokens_cpu" in params
+
+        def counts(drafts: list[int]) -> dict:
+            extra = {}
+            if "num_accepted_tokens" in params:
+                extra["num_accepted_tokens"] = torch.ones(2, dtype=torch.int32, device=device)
+            if takes_drafts:
+                extra["num_decode_draft_tokens_cpu"] = torch.tensor(drafts, dtype=torch.int32)
+            return extra
+
+        if speculative:
+            spec = fresh_row_decoded([_HISTORY, 0], [1 + k, 1 + k], flags, **counts([k, -1]))
+        elif takes_drafts:
+            extra = counts([k, k])
+            padded = fresh_row_decoded([_HISTORY, 0], [1 + k, 1 + k], flags, **extra)
+            padded_build = (*built[-1], extra["num_decode_draft_tokens_cpu"])
+    return SplitFindings(one_token, without_prefilling, spec, padded, step, metadata, padded_build)
 
 
 def as_inference_tensors(common):

@@ -10,7 +10,10 @@ calls on a builder of its own. The checks, in order::
                    (``compat.wrapped_build``; a wrapper is named)
     split          the builder's own split ran on the probe steps (split_probe)  refuses
     -- the split reroutes fresh rows and this engine never replays a FULL decode graph on such
-       a step (``reroute_holds``): stands down here, the rest is not needed --
+       a step (``reroute_holds``): stands down here, the rest is not needed; unless, with
+       speculative decoding, a new one-token request the scheduler padded with placeholder
+       drafts takes the path that reads its slot once its drafts are counted (split_probe's
+       ``padded``): then it acts for such rows only (``Decision.padded_only``) --
     metadata       the metadata class has every field the entry's rows read      refuses
     common         CommonAttentionMetadata has query_start_loc_cpu, num_reqs     refuses
                    and a per-row computed-token count
@@ -65,7 +68,14 @@ class Decision:
 
     ``keeps_decodes``: acting on a builder that reroutes fresh rows, one-token
     steps are built without ``is_prefilling`` so that they stay on the decode
-    path, where the guards zero them.
+    path, where the guards zero them. ``padded_only``: acting on a builder that
+    reroutes fresh rows, for the new requests the scheduler pads with
+    placeholder drafts only: their drafts are counted (vLLM's V2 runner counts
+    none: ``accepted_counts``), so that they take the speculative path, whose
+    state per token keeps the placeholders out of the state the next step
+    reads, and the step guard zeroes their slots at build (no guarded op).
+    ``counts_padded_drafts``: acting, such rows read their slot once their
+    drafts are counted, so they must be (true with ``padded_only``).
     """
 
     entry: builders.StateBuilder
@@ -73,6 +83,8 @@ class Decision:
     why: str
     checks: tuple[Check, ...]
     keeps_decodes: bool = False
+    padded_only: bool = False
+    counts_padded_drafts: bool = False
 
     def checked(self) -> str:
         return "; ".join(f"{c.name}: {c.found}" for c in self.checks)
@@ -107,13 +119,15 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
         checks.append(Check("split", True, _describe_split(findings, spec_tokens)))
     except ProbeError as exc:
         checks.append(Check("split", False, str(exc)))
+    padded_only = False
     if findings is not None and not findings.reads_stale_slot():
         holds = reroute_holds(context.vllm_config)
-        if holds is not None:  # the rest is not needed: nothing of the builder's is read
-            why = (f"vLLM {compat.vllm_version()}'s {entry.class_name} routes fresh rows to its prefill path "
-                   f"itself, {holds}")
-            return Decision(entry, STANDS_DOWN, why, tuple(checks))
-        if not findings.without_prefilling:
+        rerouted = f"vLLM {compat.vllm_version()}'s {entry.class_name} routes fresh rows to its prefill path itself"
+        if holds is not None and not findings.padded:  # the rest is not needed: nothing of the builder's is read
+            return Decision(entry, STANDS_DOWN, f"{rerouted}, {holds}", tuple(checks))
+        if holds is not None:
+            padded_only = True
+        elif not findings.without_prefilling:
             checks.append(Check("split", False, "the builder reroutes fresh rows, this engine can replay a FULL "
                                 "decode graph on buffers the rerouted build leaves unstaged, and without "
                                 "is_prefilling the builder does not keep a one-token step on its decode path"))
@@ -124,6 +138,12 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
         checks.append(_rows_check(entry, findings))
     if any(not c.passed for c in checks):
         return refusal()
+    if padded_only:
+        why = (f"{rerouted}, {holds}; but with {spec_tokens} speculative token(s) the scheduler pads a new "
+               f"one-token request with placeholder drafts, and counted as drafts (which gdn-pass makes sure "
+               f"of) they take the speculative path, which reads the request's recycled slot: gdn-pass zeroes "
+               f"the slots of such rows at metadata build")
+        return Decision(entry, ACTS, why, tuple(checks), padded_only=True, counts_padded_drafts=True)
     keeps_decodes = not findings.reads_stale_slot()
     if keeps_decodes:
         why = (f"vLLM {compat.vllm_version()}'s {entry.class_name} routes fresh rows to its prefill path, but "
@@ -131,7 +151,7 @@ def decide(entry: builders.StateBuilder, builder, build, context: compat.Builder
                "for such a step: gdn-pass keeps one-token steps on the decode path and zeroes their fresh rows")
     else:
         why = f"vLLM {compat.vllm_version()}'s {entry.class_name} sends fresh rows to its decode path"
-    return Decision(entry, ACTS, why, tuple(checks), keeps_decodes)
+    return Decision(entry, ACTS, why, tuple(checks), keeps_decodes, counts_padded_drafts=bool(findings.padded))
 
 
 def _describe_split(findings: SplitFindings, spec_tokens: int) -> str:
@@ -144,6 +164,9 @@ def _describe_split(findings: SplitFindings, spec_tokens: int) -> str:
     if findings.speculative is not None:
         parts.append(f"fresh {1 + spec_tokens}-token prompt next to a speculating row -> "
                      f"{say(findings.speculative)}")
+    if findings.padded is not None:
+        parts.append(f"new one-token request padded with {spec_tokens} draft(s), its drafts counted -> "
+                     f"{say(findings.padded)}")
     return ", ".join(parts)
 
 
@@ -174,14 +197,19 @@ def _rows_check(entry: builders.StateBuilder, findings: SplitFindings) -> Check:
     with the step's host tensors as inference tensors: it must find exactly the fresh row where the
     split put it on a decode path, and none where it did not. A failure here would otherwise surface
     at the engine's first step."""
-    expected = 1 if findings.one_token else 0
-    try:
-        found = entry.rows(as_inference_tensors(findings.step), findings.metadata, None).fresh
-    except Exception as exc:  # noqa: BLE001 - the finding
-        return Check("rows", False, f"gdn-pass's rows of the probe step raised {exc!r}")
-    if found != expected:
-        return Check("rows", False, f"gdn-pass's rows of the probe step zero {found} row(s), not {expected}")
-    return Check("rows", True, f"the probe step's rows to zero: {found}")
+    probes = [("probe step", findings.step, findings.metadata, None, 1 if findings.one_token else 0)]
+    if findings.padded_build is not None:  # the padded row's step: the row is found where it reads its slot
+        probes.append(("padded probe step", *findings.padded_build, 1 if findings.padded else 0))
+    said = []
+    for name, step, metadata, draft_counts, expected in probes:
+        try:
+            found = entry.rows(as_inference_tensors(step), metadata, draft_counts).fresh
+        except Exception as exc:  # noqa: BLE001 - the finding
+            return Check("rows", False, f"gdn-pass's rows of the {name} raised {exc!r}")
+        if found != expected:
+            return Check("rows", False, f"gdn-pass's rows of the {name} zero {found} row(s), not {expected}")
+        said.append(f"the {name}'s rows to zero: {found}")
+    return Check("rows", True, ", ".join(said))
 
 
 def _speculative_tokens(builder, vllm_config) -> int:
@@ -254,7 +282,8 @@ def stood_down() -> frozenset[str]:
 
 
 def stand_down_reason(entry: builders.StateBuilder, vllm_config) -> str | None:
-    """Why ``entry`` stands down in the engine of ``vllm_config``, or None where it acts (or cannot tell).
+    """Why ``entry`` needs no guarded op in the engine of ``vllm_config``, or None where it needs one
+    (or cannot tell): it stands down, or acts at metadata build only (``Decision.padded_only``).
 
     The decision this process made for a builder of the entry if there is one;
     else (vLLM compiles the model before it makes its builders) the decision
@@ -277,6 +306,8 @@ def stand_down_reason(entry: builders.StateBuilder, vllm_config) -> str | None:
         except Exception:  # noqa: BLE001 - see above
             return None
         _CLASS_DECISIONS[(entry.key, id(vllm_config))] = decision
+    if decision.padded_only:  # acts, at metadata build only: the step guard zeroes the padded rows
+        return f"{decision.why} (the step guard's work, no guarded op)"
     return decision.why if decision.action == STANDS_DOWN else None
 
 

@@ -12,6 +12,7 @@ vLLM's spec kernel, prefills in the recurrence over every token of the row
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -128,7 +129,6 @@ def test_a_padded_new_request_keeps_its_placeholder_draft_out_of_the_state():
     a speculating row, and the V2 runner counts it -1 (it is still prefilling). It is one prompt
     token and k drafts, not a prompt of 1 + k tokens: the state after its one token is what the
     next step reads (the placeholder is rejected: accepted 1)."""
-    from types import SimpleNamespace
 
     builder, caches = speculating_builder(configured=True)
     batch = SimpleNamespace(num_draft_tokens_per_req=np.array([K, K], dtype=np.int32),
@@ -239,3 +239,94 @@ def test_a_runner_it_cannot_read_is_said_at_start_and_left_alone(monkeypatch, ca
     assert "gdn-pass cannot pass them" in caplog.text and why in caplog.text
     assert not accepted_counts.supplies(builder)
     assert not hasattr(state.prepare_attn, "__wrapped__")
+
+
+# --- GDN: a new request the scheduler padded, on a builder that routes fresh rows to prefill itself ---
+
+def _gdn_step(computed, query_lens, blocks, prefilling):
+    """The scheduler's step for the real GDN builder: rows on ``blocks`` (one per slot column)."""
+    import dataclasses
+
+    from tests.vllm.test_metadata_hook import common_metadata
+
+    common = dataclasses.replace(common_metadata(computed, query_lens),
+                                 block_table_tensor=torch.tensor(blocks, dtype=torch.int32))
+    if hasattr(common, "is_prefilling"):  # 0.31+: what the runner says of each row
+        common = dataclasses.replace(common, is_prefilling=torch.tensor(prefilling))
+    return common
+
+
+def _toy_tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randn(n, 2, 4, 4, generator=torch.Generator().manual_seed(seed))
+
+
+def _toy_gdn(metadata, common, ssm: torch.Tensor, tokens: torch.Tensor) -> None:
+    """The torch stand-in of vLLM's GDN state kernels on one layer's recurrent cache (toy update
+    ``S' = S / 2 + x``): a speculative row reads column ``num_accepted - 1`` of its slots and writes
+    token ``j``'s state into column ``j``; a decode reads its slot; a prefill starts from its slot only
+    where the row has tokens computed (``has_initial_state``), else from zero; both write the final
+    state back into the slot."""
+    query_start = common.query_start_loc_cpu.tolist()
+    computed = (common.seq_lens_cpu_upper_bound - (common.query_start_loc_cpu.diff())).tolist()
+    masks = metadata.spec_sequence_masks
+    spec = [False] * common.num_reqs if masks is None else masks.tolist()
+    spec_i = non_spec_i = 0
+    for row in range(common.num_reqs):
+        x = tokens[query_start[row]:query_start[row + 1]]
+        if spec[row]:
+            slots = metadata.spec_state_indices_tensor[spec_i].tolist()
+            state = ssm[slots[int(metadata.num_accepted_tokens[spec_i]) - 1]].clone()
+            for j in range(x.shape[0]):
+                state = state / 2 + x[j]
+                ssm[slots[j]] = state
+            spec_i += 1
+            continue
+        slot = int(metadata.non_spec_state_indices_tensor[non_spec_i])
+        decode = non_spec_i < int(metadata.num_decodes)
+        state = ssm[slot].clone() if decode or computed[row] > 0 else torch.zeros_like(ssm[slot])
+        for j in range(x.shape[0]):
+            state = state / 2 + x[j]
+        ssm[slot] = state
+        non_spec_i += 1
+
+
+@pytest.mark.parametrize("configured", [True, False])
+def test_a_padded_new_gdn_request_is_speculated_from_zero_state(configured, monkeypatch):
+    """vLLM 0.31+'s GDN builder routes fresh rows to its prefill path, and its V2 runner counts no
+    drafts for a row still prefilling; the scheduler pads a new one-token request with a placeholder
+    draft beside a speculating row (vLLM 0.34, H200: 12 of 14 one-token prompts then went wrong).
+    The oracle: after the step, the column the request's next step reads holds the state after its
+    one prompt token from zero (the placeholder is rejected: accepted 1). Unconfigured (vLLM's own,
+    on every release's V2 runner), the prefill path leaves the placeholder in that state. Where the
+    builder itself sends fresh rows to its decode path (0.27-0.30), gdn-pass counts the drafts too."""
+    from tests.vllm.test_metadata_hook import new_builder
+    from tests.vllm.test_metadata_hook_row_kinds import engine_config, poisoned_caches
+
+    config = engine_config("none", K)
+    if not configured:
+        config.compilation_config.inductor_compile_config.pop("post_grad_custom_post_pass")
+    caches = poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False)
+    history = caches[1][3].clone()
+    batch = SimpleNamespace(num_draft_tokens_per_req=np.array([K, K], dtype=np.int32),
+                            num_scheduled_tokens=np.array([K_TOKENS, K_TOKENS], dtype=np.int32),
+                            is_prefilling_np=np.array([False, True]))
+    first = _gdn_step([20, 0], [K_TOKENS, K_TOKENS], [[3, 4], [6, 7]], [False, True])
+    md = prepared(batch, lambda: builder.build(0, first, **runner_kwargs(builder, [1, 1], [K, -1])))
+    tokens = _toy_tokens(2 * K_TOKENS, seed=8)
+    for ssm in caches[1::2]:
+        _toy_gdn(md, first, ssm, tokens)
+    # The placeholder rejected: the request's next step, a speculative decode (accepted 1).
+    second = _gdn_step([1], [K_TOKENS], [[6, 7]], [False])
+    md2 = prepared(SimpleNamespace(num_draft_tokens_per_req=np.array([K], dtype=np.int32),
+                                   num_scheduled_tokens=np.array([K_TOKENS], dtype=np.int32),
+                                   is_prefilling_np=np.array([False])),
+                   lambda: builder.build(0, second, **runner_kwargs(builder, [1], [K])))
+    read = int(md2.spec_state_indices_tensor[0, int(md2.num_accepted_tokens[0]) - 1])
+    after_token = torch.zeros_like(history) / 2 + tokens[K_TOKENS]  # the request's one prompt token
+    for ssm in caches[1::2]:
+        if configured:  # counted drafts, zeroed slot
+            assert torch.equal(ssm[read], after_token)
+        else:
+            assert not torch.allclose(ssm[read], after_token)  # vLLM's own: the placeholder is in it
+        assert torch.equal(ssm[3], (history / 2 + tokens[0]))  # the speculating row: from its own state

@@ -71,6 +71,53 @@ def test_the_decision_for_an_engine_is_the_one_doctor_shows(monkeypatch):
     assert at_start.action == support.decide_for_class(_entry("bailing_linear"), cls, config, CPU).action == support.ACTS
 
 
+
+def _padded_row_is_a_speculative_decode_in_vllms_own_build(builder, k: int) -> bool:
+    """The reference: vLLM's unhooked build of a step where a new one-token request, padded with ``k``
+    placeholder drafts and its drafts counted, sits beside a speculating row."""
+    common = step([20, 0], [1 + k, 1 + k], [[3] * 16, [4] * 16])
+    if "is_prefilling" in compat.fields_of(type(common)):
+        common = dataclasses.replace(common, is_prefilling=torch.tensor([False, True]))
+    metadata = builders.unhooked_build(type(builder))(
+        builder, 0, common, num_accepted_tokens=torch.ones(2, dtype=torch.int32),
+        num_decode_draft_tokens_cpu=torch.tensor([k, k], dtype=torch.int32))
+    return metadata.num_spec_decodes == 2
+
+
+@pytest.mark.parametrize("v2_runner", [True, False])
+def test_gdn_acts_for_padded_new_requests_where_it_routes_fresh_rows_to_prefill(v2_runner, monkeypatch):
+    """With speculative decoding, GDN's builder (every release) runs a new request the scheduler padded
+    with placeholder drafts on its speculative path once the drafts are counted, reading the recycled
+    slot; where the builder reroutes other fresh rows itself (0.31+) the entry acts for such rows only,
+    at metadata build (no guarded op: the pass is told it needs none); elsewhere it acts as before."""
+    from vllm.config import VllmConfig
+
+    from tests.vllm.test_metadata_hook_row_kinds import engine_config
+
+    k = 1
+    monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: k))
+    monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: v2_runner)
+    entry = _entry("gdn")
+    unconfigured = engine_config("none", k)
+    unconfigured.compilation_config.inductor_compile_config.pop("post_grad_custom_post_pass")
+    reference = new_builder(unconfigured, like_0_26=False, monkeypatch=monkeypatch, acting=False)
+    assert _padded_row_is_a_speculative_decode_in_vllms_own_build(reference, k)
+    config = engine_config("none", k)
+    decision = support.decide_for_class(entry, entry.builder_class(), config, CPU)
+    assert decision.action == support.ACTS and decision.failed() == [], decision
+    assert decision.counts_padded_drafts
+    assert decision.padded_only == BUILT_IN_FIX, decision
+    monkeypatch.setattr(support, "_DECISIONS", {})  # the compile-time question, before any engine's builder
+    monkeypatch.setattr(support, "_CLASS_DECISIONS", {})
+    reason = support.stand_down_reason(entry, config)
+    assert (reason is not None) == BUILT_IN_FIX  # no guarded op where the step guard alone acts
+    assert "new one-token request padded with 1 draft(s), its drafts counted -> decode" in decision.checked()
+    # Without speculative decoding the padding never happens: as before (acts, or stands down).
+    monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: 0))
+    plain = support.decide_for_class(entry, entry.builder_class(), vllm_config(configured=True), CPU)
+    assert plain.action == (support.STANDS_DOWN if BUILT_IN_FIX else support.ACTS) and not plain.padded_only
+
+
 # --- the fake next release --------------------------------------------------------------------
 
 def _bailing():
