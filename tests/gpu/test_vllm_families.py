@@ -187,7 +187,11 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
            r2_pass_off_unchanged=r2_off["same_tokens"], vllm_fixed=vllm_fixed, stale_read=stale_read)
     assert case["off"]["plugin_hook_installed"]
     assert case["off"]["fresh_beside_decode_steps"] > 0, "the scenario did not schedule R3 next to R2"
-    if vllm_fixed:  # vLLM's own reroute holds: the pass stands down, changing nothing
+    # With MTP, where vLLM reroutes fresh rows (0.31+), the pass still acts, at metadata build only, for a
+    # new one-token request the scheduler pads with placeholder drafts (support.Decision.padded_only):
+    # vLLM's own prefill path keeps the placeholder in R3's state (vLLM 0.34, H100: R3 beside R2 wrong).
+    padded_only = mode.startswith("mtp") and vllm_reroutes_fresh_rows(case["off"])
+    if vllm_fixed and not padded_only:  # vLLM's own reroute holds: the pass stands down, changing nothing
         assert "gdn" in case["on"]["stood_down"] and case["on"]["hook_acting_builds"] == 0, case["on"]
         assert case["on"]["step_guard"]["steps_zeroed"] == 0, case["on"]["step_guard"]
         # What the pass claims here is that it changes nothing: every request, bit for bit, against pass off.
@@ -210,5 +214,5 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
     else:
         assert case["off"]["fresh_decode_steps"] > 0, "the scenario did not schedule a fresh row as a decode"
     assert not off_vs["same_tokens"], f"pass off matched the isolated run: {off['tokens']}"
-    expected_owner = ["step"] if mode == "eager" else ["op"]
+    expected_owner = ["step"] if mode == "eager" or padded_only else ["op"]
     assert owners == expected_owner, case["on"]["step_guard"]

@@ -64,6 +64,12 @@ def bug_expected(config: str) -> bool:
     return config in LIGHTNING or Version(version("vllm")).release[:2] < (0, 31)
 
 
+def padded_requests_acted(config: str) -> bool:
+    """GDN with MTP where vLLM routes fresh rows to prefill itself (0.31+): gdn-pass acts for the new
+    one-token requests the scheduler pads with placeholder drafts only (``support.Decision.padded_only``)."""
+    return config == "mtp" and not bug_expected(config)
+
+
 def v1_runner() -> bool:
     """vLLM's V1 model runner (0.26-0.33 by default; 0.34 has the V2 one only)."""
     from importlib.metadata import version
@@ -131,7 +137,17 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         # tests/vllm/test_fuzz.py; not yet run on the GPU): reported first, kept in the summary.
         warnings.warn(f"{config}: the hook and the step trace counted fresh rows differently in "
                       f"{len(disagreements)} step(s); first: {disagreements[0]}")
-    if not bug_expected(config):
+    if padded_requests_acted(config):
+        # vLLM's own, pass off: a new one-token request the scheduler padded with a placeholder draft
+        # beside a running one ran its 1 + k tokens on the prefill path, which kept the placeholder in
+        # the state its next step read (vLLM 0.34, H100: 12 of 14 one-token prompts wrong). Pass on:
+        # its drafts counted, it ran on the speculative path from a zeroed slot (a fresh read the
+        # guard acted on) and equals its run alone (judged_alone below).
+        padded = set(off["padded_first_steps"])
+        assert padded & set(off["mismatched_ids"]), (off["padded_first_steps"], off["examples"])
+        assert on["trace"]["plugin"]["steps_zeroed"] > 0, on["trace"]["plugin"]
+        assert not set(on["padded_first_steps"]) & set(on["mismatched_ids"]), on["examples"]
+    elif not bug_expected(config):
         # vLLM's own fix: no fresh row on a slot-reading path in any engine, the guard stood down
         # (nothing zeroed), and pass on is pass off bit for bit (footprint below).
         assert off["trace"]["steps"] > 0 and off["fresh_decode_steps"] == 0, off["trace"]
