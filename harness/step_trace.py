@@ -295,9 +295,14 @@ class StepTrace:
             state["spec_prompt_rows"].update(spec_prompt_rows(ids, qlens.tolist(), paths, draft_counts))
             if accepted_counts.supplies(builder):
                 # the V2 runner's accepted counts, passed by gdn-pass: its speculative path instead
-                # of the prefill path (gdn_pass.vllm.accepted_counts)
+                # of the prefill path (gdn_pass.vllm.accepted_counts). Where vLLM passes the builder
+                # counts itself (GDN's), only a padded new request's row is gdn-pass's doing.
+                supplied = range(len(ids))
+                if _vllm_passes_counts(builder):
+                    padded = accepted_counts._Step.padded_drafts  # the step's, set in prepare_attn
+                    supplied = [] if padded is None else [i for i, d in enumerate(padded.tolist()) if d >= 0]
                 state["counts_supplied_rows"].update(
-                    {rid: path for rid, q, path in zip(ids, qlens.tolist(), paths) if path == "spec" and q > 0})
+                    {ids[i]: paths[i] for i in supplied if i < len(ids) and paths[i] == "spec" and qlens[i] > 0})
             dispatch = state["dispatch"]
             if dispatch is not None and dispatch.get("kept_off_full"):
                 # rows of a step gdn-pass kept off the speculative FULL graph (draftless_steps)
@@ -415,6 +420,22 @@ class StepTrace:
                     spec_steps=sum(s["rows"]["spec"] > 0 for s in steps),
                     # rows the chunk_rows_one_slot mutation gave one slot (diagnostic runs only)
                     chunk_rows_one_slot=sum(_ACTIVE.get("chunk_rows_one_slot", ())))
+
+
+def _vllm_passes_counts(builder) -> bool:
+    """Does vLLM's own ``get_extra_attn_kwargs`` (unwrapped) give ``builder`` the accepted counts?"""
+    import importlib
+
+    import torch
+
+    from gdn_pass.vllm import accepted_counts
+
+    module, name = accepted_counts.RUNNER_METADATA
+    cls = getattr(importlib.import_module(module), name)
+    own = getattr(cls.get_extra_attn_kwargs, "__wrapped__", cls.get_extra_attn_kwargs)
+    probe = cls(is_prefilling=torch.zeros(1, dtype=torch.bool), num_accepted_tokens=torch.ones(1, dtype=torch.int32),
+                num_decode_draft_tokens_cpu=torch.full((1,), -1, dtype=torch.int32))
+    return "num_accepted_tokens" in own(probe, builder, 1)
 
 
 MUTATION_ENV = "GDN_FUZZ_MUTATION"

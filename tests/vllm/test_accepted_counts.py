@@ -330,3 +330,18 @@ def test_a_padded_new_gdn_request_is_speculated_from_zero_state(configured, monk
         else:
             assert not torch.allclose(ssm[read], after_token)  # vLLM's own: the placeholder is in it
         assert torch.equal(ssm[3], (history / 2 + tokens[0]))  # the speculating row: from its own state
+
+
+def test_the_fuzz_trace_counts_only_the_rows_gdn_pass_gave_counts(monkeypatch):
+    """The GPU fuzz's trace (``harness.step_trace``) counts a row as given counts by gdn-pass where vLLM
+    gives its builder none (Lightning's: every speculating row) and, where vLLM does (GDN's), only a
+    padded new request's row: vLLM's own unwrapped method decides, also once gdn-pass wrapped it."""
+    from harness.step_trace import _vllm_passes_counts
+    from tests.vllm.test_metadata_hook import new_builder
+    from tests.vllm.test_metadata_hook_row_kinds import engine_config
+
+    lightning, _ = speculating_builder(configured=True)  # wraps the runner's method
+    assert accepted_counts.supplies(lightning) and not _vllm_passes_counts(lightning)
+    config = engine_config("none", K)
+    config.compilation_config.inductor_compile_config.pop("post_grad_custom_post_pass")
+    assert _vllm_passes_counts(new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False))
