@@ -146,9 +146,9 @@ def _draft_counts(runner_drafts: torch.Tensor | None, num_reqs: int) -> torch.Te
 
 
 def _wrap(runner_metadata: type, runner_state: type) -> None:
+    """Wrap each of the two methods that is not wrapped already (idempotent, method by method: a
+    method someone replaced after an earlier wrap is wrapped again, the other left as it is)."""
     original = runner_metadata.get_extra_attn_kwargs
-    if getattr(original, _MARK, False):
-        return
     original_prepare = runner_state.prepare_attn
 
     @functools.wraps(original)
@@ -170,5 +170,8 @@ def _wrap(runner_metadata: type, runner_state: type) -> None:
             _Step.padded_drafts = None
 
     setattr(get_extra_attn_kwargs, _MARK, True)
-    runner_metadata.get_extra_attn_kwargs = get_extra_attn_kwargs
-    runner_state.prepare_attn = prepare_attn
+    setattr(prepare_attn, _MARK, True)
+    if not getattr(original, _MARK, False):
+        runner_metadata.get_extra_attn_kwargs = get_extra_attn_kwargs
+    if not getattr(original_prepare, _MARK, False):
+        runner_state.prepare_attn = prepare_attn

@@ -166,6 +166,15 @@ def test_engines_it_does_not_apply_to_are_unchanged(monkeypatch, why):
                     configured=why != "unconfigured")
     if why == "v2_runner":
         monkeypatch.setattr(support, "runs_v2_model_runner", lambda vllm_config: True)
+        # the V2 runner's classes as installed: the padded rows' draft counts wrap them for this engine
+        import importlib
+
+        from gdn_pass.vllm import accepted_counts
+
+        for (module, name), method in ((accepted_counts.RUNNER_METADATA, "get_extra_attn_kwargs"),
+                                       (accepted_counts.RUNNER_STATE, "prepare_attn")):
+            cls = getattr(importlib.import_module(module), name)
+            monkeypatch.setattr(cls, method, getattr(cls, method))
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)
     assert len(draftless_steps._BUILDERS) == 0
     if why != "piecewise_graphs":  # the runner picks as vLLM does

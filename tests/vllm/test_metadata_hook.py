@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gdn_pass.metadata import MetadataError, StagedRowMetadata
-from gdn_pass.vllm import builders, compat, metadata_hook, support
+from gdn_pass.vllm import builders, compat, metadata_hook
 from gdn_pass.vllm import rows as vllm_rows
 from gdn_pass.vllm.builders.gdn import gdn_rows
 from vllm.v1.attention.backend import CommonAttentionMetadata
@@ -476,56 +476,3 @@ def test_the_cost_benchmarks_clock_sees_every_build(monkeypatch):
     calls_per_build = 2 if metadata_hook.state_of(builder).keeps_decodes else 1
     assert len(clock.calls) == 3 * calls_per_build
 
-
-def _has_update_block_table() -> bool:
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
-
-    return "update_block_table" in GDNAttentionMetadataBuilder.__dict__
-
-
-@pytest.mark.skipif(not _has_update_block_table(), reason="GDN's update_block_table is vLLM 0.31+")
-def test_another_group_s_metadata_made_by_update_block_table_is_guarded(monkeypatch):
-    """vLLM's V2 runner (CUDA, 0.31+) builds GDN metadata for a step's first group only and makes
-    every other group's with ``update_block_table`` from it: no build, so no build hook, runs for
-    them. A new request the scheduler padded with a draft (its drafts counted) must still have its
-    column-0 slot zeroed in the second group's caches; every other slot keeps its poison."""
-    import dataclasses
-
-    from vllm.config import VllmConfig
-    from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    from tests.vllm.test_metadata_hook_row_kinds import engine_config, poisoned_caches
-
-    k = 1
-    monkeypatch.setattr(VllmConfig, "num_speculative_tokens", property(lambda self: k))
-    config = engine_config("none", k)
-    caches_a = poisoned_caches(config)
-    first = new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False)
-    assert support.recorded("gdn").action == support.ACTS
-    layers_b = ["model.layers.4.linear_attn", "model.layers.5.linear_attn"]
-    caches_b = []
-    for name in layers_b:
-        kv = [torch.arange(1, 33, dtype=torch.bfloat16).view(-1, 1, 1).expand(-1, 3, 8).contiguous(),
-              torch.arange(1, 33, dtype=torch.float32).view(-1, 1, 1, 1).expand(-1, 2, 4, 4).contiguous()]
-        config.compilation_config.static_forward_context[name] = SimpleNamespace(kv_cache=kv)
-        caches_b.extend(kv)
-    spec = MambaSpec(block_size=16, shapes=((3, 8), (2, 4, 4)), dtypes=(torch.bfloat16, torch.float32))
-    second = GDNAttentionMetadataBuilder(spec, layers_b, config, torch.device("cpu"))
-    # What the hook does for a CUDA builder of the V2 runner, whose supports_update_block_table is set.
-    metadata_hook.state_of(first).shares_metadata = True
-    common = dataclasses.replace(common_metadata([20, 0], [1 + k, 1 + k]),
-                                 block_table_tensor=torch.tensor([[3, 4], [6, 7]], dtype=torch.int32))
-    if hasattr(common, "is_prefilling"):
-        common = dataclasses.replace(common, is_prefilling=torch.tensor([False, True]))
-    made = first.build(0, common, num_accepted_tokens=torch.ones(2, dtype=torch.int32),
-                       num_decode_draft_tokens_cpu=torch.tensor([k, k], dtype=torch.int32))
-    derived = second.update_block_table(made, torch.tensor([[10, 11], [13, 14]], dtype=torch.int32),
-                                        common.slot_mapping)
-    assert derived.spec_state_indices_tensor.tolist() == [[10, 11], [13, 14]]  # vLLM's own re-gather
-    for caches, zeroed in ((caches_a, 6), (caches_b, 13)):
-        for cache in caches:
-            assert torch.count_nonzero(cache[zeroed]) == 0
-            others = torch.cat([cache[:zeroed], cache[zeroed + 1:]])
-            slots = torch.cat([torch.arange(1, zeroed + 1), torch.arange(zeroed + 2, 33)]).to(cache.dtype)
-            assert torch.equal(others.flatten(1)[:, 0], slots), "a slot other than the new row's was touched"
