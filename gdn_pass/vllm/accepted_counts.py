@@ -156,6 +156,8 @@ def _wrap(runner_metadata: type, runner_state: type) -> None:
         extra = original(self, attn_metadata_builder, num_reqs)
         if not attn_metadata_builder.__dict__.get(_SUPPLIED, False):
             return extra
+        if _Step.padded_drafts is None and "num_decode_draft_tokens_cpu" in extra:
+            return extra  # vLLM passes this builder the counts itself and no row is padded: its own
         accepted, drafts = self.num_accepted_tokens, self.num_decode_draft_tokens_cpu
         return {**extra, "num_accepted_tokens": None if accepted is None else accepted[:num_reqs],
                 "num_decode_draft_tokens_cpu": _draft_counts(None if drafts is None else drafts[:num_reqs],
