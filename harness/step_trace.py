@@ -423,19 +423,23 @@ class StepTrace:
 
 
 def _vllm_passes_counts(builder) -> bool:
-    """Does vLLM's own ``get_extra_attn_kwargs`` (unwrapped) give ``builder`` the accepted counts?"""
-    import importlib
+    """Does vLLM's own ``get_extra_attn_kwargs`` (unwrapped) give ``builder`` the accepted counts?
+    The answer is the builder class's (vLLM's method tests the class): asked once per class."""
+    cls = type(builder)
+    if cls not in _VLLM_PASSES_COUNTS:
+        import importlib
 
-    import torch
+        from gdn_pass.vllm import accepted_counts
 
-    from gdn_pass.vllm import accepted_counts
+        module, name = accepted_counts.RUNNER_METADATA
+        runner_metadata = getattr(importlib.import_module(module), name)
+        method = runner_metadata.get_extra_attn_kwargs
+        _VLLM_PASSES_COUNTS[cls] = accepted_counts._passes_counts(runner_metadata, builder,
+                                                                  getattr(method, "__wrapped__", method))
+    return _VLLM_PASSES_COUNTS[cls]
 
-    module, name = accepted_counts.RUNNER_METADATA
-    cls = getattr(importlib.import_module(module), name)
-    own = getattr(cls.get_extra_attn_kwargs, "__wrapped__", cls.get_extra_attn_kwargs)
-    probe = cls(is_prefilling=torch.zeros(1, dtype=torch.bool), num_accepted_tokens=torch.ones(1, dtype=torch.int32),
-                num_decode_draft_tokens_cpu=torch.full((1,), -1, dtype=torch.int32))
-    return "num_accepted_tokens" in own(probe, builder, 1)
+
+_VLLM_PASSES_COUNTS: dict[type, bool] = {}
 
 
 MUTATION_ENV = "GDN_FUZZ_MUTATION"

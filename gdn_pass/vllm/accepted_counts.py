@@ -95,14 +95,15 @@ def supplies(builder) -> bool:
     return bool(builder.__dict__.get(_SUPPLIED, False))
 
 
-def _passes_counts(runner_metadata: type, builder) -> bool:
-    """Does the runner's method give ``builder`` the counts? Asked of the installed class, one row."""
+def _passes_counts(runner_metadata: type, builder, method=None) -> bool:
+    """Does the runner's method (``method``: another version of it, e.g. vLLM's own before gdn-pass
+    wrapped it) give ``builder`` the counts? Asked of the installed class, one row."""
     probe = runner_metadata(
         is_prefilling=torch.zeros(1, dtype=torch.bool),
         num_accepted_tokens=torch.ones(1, dtype=torch.int32),
         num_decode_draft_tokens_cpu=torch.full((1,), -1, dtype=torch.int32),
     )
-    extra = probe.get_extra_attn_kwargs(builder, 1)
+    extra = (method or runner_metadata.get_extra_attn_kwargs)(probe, builder, 1)
     return all(isinstance(extra.get(name), torch.Tensor) for name in _COUNTS)
 
 

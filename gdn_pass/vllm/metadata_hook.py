@@ -161,20 +161,17 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
             return original_build(self, *args, **kwargs)
         if state.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
-        chunks = state.prompt_chunks
+        chunks, inputs = state.prompt_chunks, None
         if chunks is not None:
             inputs = compat.step_inputs(original_build, self, args, kwargs)  # read once per build
             kwargs = chunks.call_kwargs(inputs[0], kwargs)
-            metadata = original_build(self, *args, **kwargs)
-            chunks.keep_state_in_first_column(self, *inputs, metadata)
-            if state.shares_metadata:
-                setattr(metadata, _BUILD_INPUTS, (args, kwargs))
-            return _guard_step(self, state, original_build, args, kwargs, metadata, inputs)
         metadata = original_build(self, *args, **kwargs)
+        if chunks is not None:
+            chunks.keep_state_in_first_column(self, *inputs, metadata)
         if state.shares_metadata:
             setattr(metadata, _BUILD_INPUTS, (args, kwargs))
         # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
-        return _guard_step(self, state, original_build, args, kwargs, metadata)
+        return _guard_step(self, state, original_build, args, kwargs, metadata, inputs)
 
     setattr(build, _MARK, True)
     cls.__init__ = __init__
