@@ -70,7 +70,8 @@ from pathlib import Path
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, counts_supplied_rows, engine_drift,
                                 first_token_mismatch, fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows,
                                 kept_off_full_graph_rows, largest_shift, one_token_paths, padded_first_steps,
-                                perturbed_by_pass, resume_points, resumed_drift, schedule_moved, spec_prompt_rows)
+                                mismatch_trail, perturbed_by_pass, resume_points, resumed_drift, schedule_moved,
+                                spec_prompt_rows)
 
 __all__ = ["FuzzRequest", "make_stream", "fuzz", "ENGINE_CONFIGS", "GPU_ENGINE_CONFIGS", "CONFIG_CHECKPOINT",
            "HARNESS_FIX", "CLEAN_OFF"]
@@ -623,7 +624,9 @@ def fuzz(model: Path, workdir: Path, *, seed: int, num_requests: int, config: st
                 # both sides' tokens, so that a third engine can say which one the model takes
                 # (benchmarks/transformers_arbiter.py); a resumed request's reference is its prompt's
                 outputs[r.rid] = dict(prompt=list(r.prompt), stream=list(got.get("tokens", ())),
-                                      reference=list(reference.get(base, {}).get("tokens", ())))
+                                      reference=list(reference.get(base, {}).get("tokens", ())),
+                                      trail=mismatch_trail(reference.get(base, {}), got, run.get("step_details"),
+                                                           r.rid, len(r.prompt)))
             if kind == "mismatch" and r.rid in preempted:
                 preempted_mismatches[r.rid] = outcome[kind][r.rid]
         results = run["results"]

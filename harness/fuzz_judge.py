@@ -171,6 +171,52 @@ def schedule_moved(base: dict, on: dict, perturbed: dict[str, int], prompt_lens:
     return moved
 
 
+def mismatch_trail(reference: dict, got: dict, details: list | None, rid: str, prompt_len: int) -> dict:
+    """What a mismatched request's tokens rest on, up to its first differing token ``i``.
+
+    ``logprobs``: the stream's and the reference's logprob of each token up to
+    ``i`` (a drift that grows token by token reads as accumulated numerics; a
+    jump at ``i``, as something its last step read); ``top``: both sides' best
+    two candidates at ``i``; ``steps`` (where the stream kept its step details,
+    ``step_trace.StepTrace.gdn_trace_start(detail=True)``): each step the request
+    ran in before token ``i`` was sampled, its row as the traced builder split
+    it (tokens computed before, its tokens, kernel path, slot, speculative slot
+    columns and accepted count) and the step's batch (query lengths, mode).
+    """
+    a, b = reference.get("tokens", []), got.get("tokens", [])
+    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    trail = dict(first_mismatch=i,
+                 logprobs=dict(stream=[round(x, 4) for x in got.get("logprobs", [])[: i + 1]],
+                               reference=[round(x, 4) for x in reference.get("logprobs", [])[: i + 1]]),
+                 top=dict(stream=got["top"][i][:2] if i < len(got.get("top") or ()) else [],
+                          reference=reference["top"][i][:2] if i < len(reference.get("top") or ()) else []))
+    if details is None:
+        return trail
+    steps = []
+    for n, d in enumerate(details):
+        if not d:
+            continue
+        ids = [re.sub(r"-[0-9a-f]{8}$", "", x) for x in d["req_ids"]]
+        if rid not in ids:
+            continue
+        row = ids.index(rid)
+        if row >= len(d["query_lens"]) or d["query_lens"][row] == 0 or d["computed"][row] >= prompt_len + i:
+            continue
+        paths = d.get("paths") or []
+        path = paths[row] if row < len(paths) else None
+        entry = dict(step=n, computed=d["computed"][row], tokens=d["query_lens"][row], path=path,
+                     slot=d["slots"][row] if row < len(d.get("slots") or ()) else None,
+                     batch=d["query_lens"], mode=(d.get("dispatch") or {}).get("mode"))
+        if path == "spec":
+            k = sum(p == "spec" for p in paths[:row])  # speculative rows are packed in batch order
+            for field in ("spec_slots", "slots_d", "num_accepted"):
+                if k < len(d.get(field) or ()):
+                    entry[field] = d[field][k]
+        steps.append(entry)
+    trail["steps"] = steps
+    return trail
+
+
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
     """The reference a request's first tokens are judged by: its prompt alone, or, for a
     one-token prompt that vLLM ran through its prefill kernels, the same on that path."""

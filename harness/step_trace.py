@@ -95,9 +95,11 @@ def metadata_row_paths(md, num_reqs: int) -> list[str]:
 
 
 def _spec_detail(md) -> dict:
-    """A speculative step's per-row slot columns and accepted counts (Lightning's fields), if any."""
+    """A speculative step's slot columns and accepted counts per speculative row (Lightning's
+    and GDN's fields), if any."""
     out = {}
-    for field, name in (("state_indices_tensor_d", "slots_d"), ("num_accepted_tokens", "num_accepted")):
+    for field, name in (("state_indices_tensor_d", "slots_d"), ("spec_state_indices_tensor", "spec_slots"),
+                        ("num_accepted_tokens", "num_accepted")):
         value = getattr(md, field, None)
         if hasattr(value, "tolist"):
             out[name] = value.tolist()
@@ -319,7 +321,7 @@ class StepTrace:
                 state["steps"][-1]["detail"] = dict(
                     req_ids=ids[: m.num_reqs], query_lens=qlens.tolist(), computed=computed.tolist(),
                     slots=all_slots, num_decodes=md.num_decodes, num_prefills=md.num_prefills,
-                    dispatch=state["dispatch"], **_spec_detail(md))
+                    paths=paths, dispatch=state["dispatch"], **_spec_detail(md))
             state["dispatch"] = None
 
         # Every registered builder this vLLM has (a subclass with an entry of its own

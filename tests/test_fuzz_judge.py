@@ -474,3 +474,34 @@ def test_the_summary_names_the_requests_whose_first_step_was_padded(tmp_path, mo
     stream, s = _judge(tmp_path, monkeypatch, ("off", "on"), streams)
     assert s["runs"]["off"]["padded_first_steps"] == {stream[0].rid: len(stream[0].prompt) + 1}
     assert s["runs"]["on"]["padded_first_steps"] == {}
+
+
+def test_a_mismatch_s_trail_keeps_the_steps_before_its_first_differing_token():
+    """The trail a mismatched request's summary keeps: logprobs up to the first differing token,
+    both sides' top two there, and the steps it ran in before that token was sampled, with its
+    own speculative slot columns (a speculative row before it in the batch shifts the packing)."""
+    from harness.fuzz_judge import mismatch_trail
+
+    ref = result([5, 6, 7, 8], [-1.0, -2.0, -0.5, -1.5])
+    got = result([5, 6, 9, 1], [-1.01, -2.02, -0.4, -2.0])
+    details = [
+        None,  # a step the traced builder did not build (kept as a gap: step numbers stay true)
+        dict(req_ids=["q0-0000abcd", "q3-0000abcd"], query_lens=[2, 2], computed=[7, 0], slots=[4, 9],
+             num_decodes=0, num_prefills=0, paths=["spec", "spec"], dispatch=dict(mode="FULL"),
+             spec_slots=[[4, 5], [9, 10]], num_accepted=[2, 1]),
+        dict(req_ids=["q3-0000abcd"], query_lens=[2], computed=[2], slots=[9], num_decodes=0,
+             num_prefills=0, paths=["spec"], dispatch=dict(mode="FULL"), spec_slots=[[9, 10]], num_accepted=[2]),
+        dict(req_ids=["q3-0000abcd"], query_lens=[2], computed=[4], slots=[9], num_decodes=0,
+             num_prefills=0, paths=["spec"], dispatch=None, spec_slots=[[9, 10]], num_accepted=[1]),
+    ]
+    trail = mismatch_trail(ref, got, details, "q3", prompt_len=1)
+    assert trail["first_mismatch"] == 2
+    assert trail["logprobs"] == dict(stream=[-1.01, -2.02, -0.4], reference=[-1.0, -2.0, -0.5])
+    assert trail["top"]["stream"] == [[9, -0.4], [10, -1.4]] and trail["top"]["reference"][0] == [7, -0.5]
+    # token #2 is sampled in a step that starts with fewer than 1 + 2 tokens computed: steps 1 and 2
+    assert [s["step"] for s in trail["steps"]] == [1, 2]
+    assert trail["steps"][0] == dict(step=1, computed=0, tokens=2, path="spec", slot=9, batch=[2, 2],
+                                     mode="FULL", spec_slots=[9, 10], num_accepted=1)
+    assert "steps" not in mismatch_trail(ref, got, None, "q3", prompt_len=1)
+    # the same tokens: nothing differs, the trail ends where the shorter output does
+    assert mismatch_trail(ref, ref, [], "q3", 1)["first_mismatch"] == 4

@@ -114,6 +114,8 @@ def summaries(tmp_path_factory):
                               engine_args={**engine_args, **fz.GPU_ENGINE_CONFIGS.get(config, {})},
                               parallel=PARALLEL, reference_shards=4, engine_env=gpu_engine_env(workdir),
                               repeat_baseline_if_perturbed=True,
+                              # each step's rows, so that a mismatch's summary says what its steps read
+                              trace_detail=True,
                               progress=lambda m: progress(config, m))
         except RuntimeError as e:
             summary = dict(error=str(e)[-3000:])
