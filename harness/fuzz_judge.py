@@ -171,6 +171,29 @@ def schedule_moved(base: dict, on: dict, perturbed: dict[str, int], prompt_lens:
     return moved
 
 
+def _row_slots(d: dict) -> list[list[int] | None]:
+    """Each row's state slots in one traced step (``step_trace`` detail): a speculative row's
+    slot columns, another row's one slot. GDN packs its speculative rows' columns
+    (``spec_slots``) and its other rows' slots (``slots``) each in batch order; the Lightning
+    builders give every row a slot (``slots``) and their decodes, which come first, the
+    speculative columns (``slots_d``)."""
+    def as_list(value):
+        return None if value is None else list(value) if isinstance(value, list) else [value]
+
+    paths, slots, gdn = d.get("paths") or [], d.get("slots") or [], "spec_slots" in d
+    columns = (d.get("spec_slots") if gdn else d.get("slots_d")) or []
+    out, spec_k, other_k = [], 0, 0
+    for row in range(len(d["query_lens"])):
+        if row < len(paths) and paths[row] == "spec":
+            out.append(as_list(columns[spec_k]) if spec_k < len(columns) else None)
+            spec_k += 1
+            continue
+        index = other_k if gdn else row
+        other_k += 1
+        out.append(as_list(slots[index]) if index < len(slots) else None)
+    return out
+
+
 def mismatch_trail(reference: dict, got: dict, details: list | None, rid: str, prompt_len: int) -> dict:
     """What a mismatched request's tokens rest on, up to its first differing token ``i``.
 
@@ -202,16 +225,18 @@ def mismatch_trail(reference: dict, got: dict, details: list | None, rid: str, p
         row = ids.index(rid)
         if row >= len(d["query_lens"]) or d["query_lens"][row] == 0 or d["computed"][row] >= prompt_len + i:
             continue
-        paths = d.get("paths") or []
-        path = paths[row] if row < len(paths) else None
-        entry = dict(step=n, computed=d["computed"][row], tokens=d["query_lens"][row], path=path,
-                     slot=d["slots"][row] if row < len(d.get("slots") or ()) else None,
+        slots = _row_slots(d)
+        entry = dict(step=n, computed=d["computed"][row], tokens=d["query_lens"][row],
+                     path=(d.get("paths") or [None] * (row + 1))[row], slots=slots[row],
                      batch=d["query_lens"], mode=(d.get("dispatch") or {}).get("mode"))
-        if path == "spec":
-            k = sum(p == "spec" for p in paths[:row])  # speculative rows are packed in batch order
-            for field in ("spec_slots", "slots_d", "num_accepted"):
-                if k < len(d.get(field) or ()):
-                    entry[field] = d[field][k]
+        if entry["path"] == "spec":
+            k = sum(p == "spec" for p in d["paths"][:row])  # speculative rows are packed in batch order
+            if k < len(d.get("num_accepted") or ()):
+                entry["num_accepted"] = d["num_accepted"][k]
+        # another row of the step on one of this row's slots: two requests' states in one place
+        mine = set(slots[row] or ())
+        entry["shares_slots_with"] = [ids[j] for j, other in enumerate(slots)
+                                      if j != row and d["query_lens"][j] > 0 and mine & set(other or ())]
         steps.append(entry)
     trail["steps"] = steps
     return trail

@@ -486,12 +486,14 @@ def test_a_mismatch_s_trail_keeps_the_steps_before_its_first_differing_token():
     got = result([5, 6, 9, 1], [-1.01, -2.02, -0.4, -2.0])
     details = [
         None,  # a step the traced builder did not build (kept as a gap: step numbers stay true)
-        dict(req_ids=["q0-0000abcd", "q3-0000abcd"], query_lens=[2, 2], computed=[7, 0], slots=[4, 9],
-             num_decodes=0, num_prefills=0, paths=["spec", "spec"], dispatch=dict(mode="FULL"),
-             spec_slots=[[4, 5], [9, 10]], num_accepted=[2, 1]),
-        dict(req_ids=["q3-0000abcd"], query_lens=[2], computed=[2], slots=[9], num_decodes=0,
-             num_prefills=0, paths=["spec"], dispatch=dict(mode="FULL"), spec_slots=[[9, 10]], num_accepted=[2]),
-        dict(req_ids=["q3-0000abcd"], query_lens=[2], computed=[4], slots=[9], num_decodes=0,
+        # GDN packs speculative rows' columns and the other rows' slots, each in batch order
+        dict(req_ids=["q0-0000abcd", "q7-0000abcd", "q3-0000abcd"], query_lens=[2, 5, 2], computed=[7, 0, 0],
+             slots=[12], num_decodes=0, num_prefills=1, paths=["spec", "prefill", "spec"],
+             dispatch=dict(mode="PIECEWISE"), spec_slots=[[4, 5], [9, 10]], num_accepted=[2, 1]),
+        dict(req_ids=["q3-0000abcd", "q8-0000abcd"], query_lens=[2, 1], computed=[2, 0], slots=[9],
+             num_decodes=1, num_prefills=0, paths=["spec", "decode"], dispatch=dict(mode="FULL"),
+             spec_slots=[[9, 10]], num_accepted=[2]),
+        dict(req_ids=["q3-0000abcd"], query_lens=[2], computed=[4], slots=[], num_decodes=0,
              num_prefills=0, paths=["spec"], dispatch=None, spec_slots=[[9, 10]], num_accepted=[1]),
     ]
     trail = mismatch_trail(ref, got, details, "q3", prompt_len=1)
@@ -500,8 +502,10 @@ def test_a_mismatch_s_trail_keeps_the_steps_before_its_first_differing_token():
     assert trail["top"]["stream"] == [[9, -0.4], [10, -1.4]] and trail["top"]["reference"][0] == [7, -0.5]
     # token #2 is sampled in a step that starts with fewer than 1 + 2 tokens computed: steps 1 and 2
     assert [s["step"] for s in trail["steps"]] == [1, 2]
-    assert trail["steps"][0] == dict(step=1, computed=0, tokens=2, path="spec", slot=9, batch=[2, 2],
-                                     mode="FULL", spec_slots=[9, 10], num_accepted=1)
+    assert trail["steps"][0] == dict(step=1, computed=0, tokens=2, path="spec", slots=[9, 10], batch=[2, 5, 2],
+                                     mode="PIECEWISE", num_accepted=1, shares_slots_with=[])
+    # q8, a fresh decode row of the next step, on q3's slot 9: both named
+    assert trail["steps"][1]["shares_slots_with"] == ["q8"]
     assert "steps" not in mismatch_trail(ref, got, None, "q3", prompt_len=1)
     # the same tokens: nothing differs, the trail ends where the shorter output does
     assert mismatch_trail(ref, ref, [], "q3", 1)["first_mismatch"] == 4
