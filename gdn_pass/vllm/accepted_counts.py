@@ -49,7 +49,7 @@ import inspect
 import numpy as np
 import torch
 
-__all__ = ["RUNNER_METADATA", "supplies", "supply"]
+__all__ = ["RUNNER_METADATA", "step_has_padded_rows", "supplies", "supply"]
 
 # Where the V2 runner keeps its per-step speculative metadata, and the model state that makes it
 # from the step's input batch (vLLM 0.27-0.34).
@@ -114,6 +114,12 @@ class _Step:
     padded_drafts: np.ndarray | None = None
 
 
+def step_has_padded_rows() -> bool:
+    """Does the step being prepared have a padded new request's row (the wrapped ``prepare_attn``
+    found one)? False outside ``prepare_attn`` and on every step without one."""
+    return _Step.padded_drafts is not None
+
+
 def padded_draft_counts(input_batch) -> np.ndarray | None:
     """Per row, the drafts of a prompt row of ``1 + drafts`` tokens with drafts (a new request the
     scheduler padded; V1's rule), else -1; None where the step has none (the common step: no row
@@ -124,8 +130,11 @@ def padded_draft_counts(input_batch) -> np.ndarray | None:
     n = len(drafts)
     prefilling = getattr(input_batch, "is_prefilling_np", None)
     if prefilling is not None:
-        prefilling = prefilling[:n]
-        if not prefilling.any():
+        if len(prefilling) != n:
+            prefilling = prefilling[:n]
+        # count_nonzero, not any(): a ufunc reduction costs the step about 5 us more on a 2-core
+        # host between vLLM's builds (benchmarks/padded_requests_host_time.py)
+        if not np.count_nonzero(prefilling):
             return None
     padded = (drafts > 0) & (np.asarray(input_batch.num_scheduled_tokens)[:n] == drafts + 1)
     if prefilling is not None:

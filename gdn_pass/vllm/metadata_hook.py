@@ -74,6 +74,10 @@ class BuilderState:
     keeps_decodes: bool = False
     # The step guard zeroes this group whatever the compiled graph holds (``Decision.padded_only``).
     step_guard_only: bool = False
+    # A padded new request's row is the only one to guard (``Decision.padded_only``), and the V2
+    # runner names each step's padded rows before its builds (``accepted_counts``): a build of a
+    # step without one is vLLM's alone, nothing staged, nothing attached.
+    padded_rows_only: bool = False
     # vLLM derives other groups' metadata from this builder's (``update_block_table``): each build
     # keeps its inputs on its metadata for them.
     shares_metadata: bool = False
@@ -159,6 +163,8 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
         if state is None or state.entry is not entry:
             # not configured, stood down, or a subclass's own hook acts
             return original_build(self, *args, **kwargs)
+        if state.padded_rows_only and not accepted_counts.step_has_padded_rows():
+            return original_build(self, *args, **kwargs)  # most steps of such an engine
         if state.keeps_decodes:
             args, kwargs = _one_token_step_as_decodes(original_build, self, args, kwargs)
         chunks, inputs = state.prompt_chunks, None
@@ -187,6 +193,8 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
         # Guarded once, by the wrapper the builder's class resolves to (a subclass's own, if any).
         if state is None or type(self).update_block_table is not update_block_table:
             return derived
+        if state.padded_rows_only and not accepted_counts.step_has_padded_rows():
+            return derived  # as its first group's build: vLLM's alone
         # Another group's metadata made from this step's first build: guarded as if built here.
         inputs = getattr(metadata, _BUILD_INPUTS, None)
         if inputs is None:  # not from a build this hook saw (never in vLLM 0.31-0.34): built from the next step on
@@ -332,10 +340,10 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
                        "update_block_table shortcut would bypass the guard)")
         else:
             state.shares_metadata = True
-    if decision.counts_padded_drafts:
-        _count_padded_drafts(entry, builder, context.vllm_config)
+    counted = decision.counts_padded_drafts and _count_padded_drafts(entry, builder, context.vllm_config)
     if decision.padded_only:
         state.step_guard_only = True
+        state.padded_rows_only = counted
         _info_once(f"padded-only:{entry.key}", f"gdn-pass: {decision.why}")
     state.prompt_chunks = prompt_chunks.for_builder(entry, builder, context.vllm_config)
     if entry.prefills_draftless_rows:
@@ -345,19 +353,22 @@ def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args
         _info_once(f"keeps-decodes:{entry.key}", f"gdn-pass: {decision.why}")
 
 
-def _count_padded_drafts(entry: builders.StateBuilder, builder, vllm_config) -> None:
+def _count_padded_drafts(entry: builders.StateBuilder, builder, vllm_config) -> bool:
     """Make sure the padded new requests' drafts reach ``builder`` (``Decision.padded_only``): vLLM's V2
     runner counts none for a row still prefilling; ``accepted_counts`` makes it. Where it cannot,
-    start-up says what remains (vLLM's own: the placeholders stay in such a request's state)."""
+    start-up says what remains (vLLM's own: the placeholders stay in such a request's state).
+    True where ``accepted_counts`` names each step's padded rows for the builds (the V2 runner)."""
     if not support.runs_v2_model_runner(vllm_config):
-        return  # the V1 runner counts a padded row's drafts itself
+        return False  # the V1 runner counts a padded row's drafts itself
     why_not = accepted_counts.supply(builder)
-    if why_not is not None:
-        _warn_once(f"padded-drafts:{entry.key}",
-                   f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner counts no drafts for a new "
-                   f"request the scheduler padded with placeholder drafts, and gdn-pass cannot count them for "
-                   f"{entry.class_name}: {why_not}. Such a request's prefill path keeps the placeholders in its "
-                   "state, and its later tokens can come out wrong (vLLM's own)")
+    if why_not is None:
+        return True
+    _warn_once(f"padded-drafts:{entry.key}",
+               f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner counts no drafts for a new "
+               f"request the scheduler padded with placeholder drafts, and gdn-pass cannot count them for "
+               f"{entry.class_name}: {why_not}. Such a request's prefill path keeps the placeholders in its "
+               "state, and its later tokens can come out wrong (vLLM's own)")
+    return False
 
 
 _STEP = step_guard.Owner.STEP

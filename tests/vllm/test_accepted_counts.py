@@ -345,3 +345,43 @@ def test_the_fuzz_trace_counts_only_the_rows_gdn_pass_gave_counts(monkeypatch):
     config = engine_config("none", K)
     config.compilation_config.inductor_compile_config.pop("post_grad_custom_post_pass")
     assert _vllm_passes_counts(new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False))
+
+
+def test_a_gdn_step_without_a_padded_request_is_vllm_s_alone(monkeypatch):
+    """Where gdn-pass acts for padded new requests only (``Decision.padded_only``, vLLM 0.31+), a
+    step without one, a new prompt's prefill included, costs the builder's own build and no more:
+    nothing attached for a guard, nothing zeroed, and another group's metadata derived by
+    ``update_block_table`` passes through with its shortcut kept. A padded step is still guarded."""
+    from gdn_pass.vllm import metadata_hook
+    from gdn_pass.vllm.handoff import ATTR
+    from tests.vllm.test_metadata_hook import new_builder
+    from tests.vllm.test_metadata_hook_row_kinds import engine_config, poisoned_caches
+
+    config = engine_config("none", K)
+    caches = poisoned_caches(config)
+    builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch, acting=False)
+    if not support.recorded("gdn").padded_only:
+        pytest.skip("this release's GDN builder runs fresh rows on its decode path: the entry acts on every step")
+    assert state_of(builder).padded_rows_only
+    poison = [c.clone() for c in caches]
+    # a speculating row beside a new 5-token prompt (no drafts: not padded)
+    batch = SimpleNamespace(num_draft_tokens_per_req=np.array([K, 0], dtype=np.int32),
+                            num_scheduled_tokens=np.array([K_TOKENS, 5], dtype=np.int32),
+                            is_prefilling_np=np.array([False, True]))
+    step = _gdn_step([20, 0], [K_TOKENS, 5], [[3, 4], [6, 7]], [False, True])
+    md = prepared(batch, lambda: builder.build(0, step, **runner_kwargs(builder, [1, 1], [K, -1])))
+    assert not hasattr(md, ATTR) and not hasattr(md, metadata_hook._BUILD_INPUTS)
+    assert all(torch.equal(c, p) for c, p in zip(caches, poison))
+    if hasattr(builder, "update_block_table"):
+        monkeypatch.setattr(builder, "supports_update_block_table", True, raising=False)
+        derived = prepared(batch, lambda: builder.update_block_table(
+            md, torch.tensor([[10, 11], [13, 14]], dtype=torch.int32), step.slot_mapping))
+        assert not hasattr(derived, ATTR) and builder.supports_update_block_table
+    # the same rows, the new request one token padded with a placeholder draft: guarded
+    batch = SimpleNamespace(num_draft_tokens_per_req=np.array([K, K], dtype=np.int32),
+                            num_scheduled_tokens=np.array([K_TOKENS, K_TOKENS], dtype=np.int32),
+                            is_prefilling_np=np.array([False, True]))
+    step = _gdn_step([20, 0], [K_TOKENS, K_TOKENS], [[3, 4], [6, 7]], [False, True])
+    md = prepared(batch, lambda: builder.build(0, step, **runner_kwargs(builder, [1, 1], [K, -1])))
+    assert hasattr(md, ATTR)
+    assert all(torch.count_nonzero(c[6]) == 0 and torch.equal(c[3], p[3]) for c, p in zip(caches, poison))
