@@ -242,6 +242,23 @@ def mismatch_trail(reference: dict, got: dict, details: list | None, rid: str, p
     return trail
 
 
+def mismatched_past(run: dict, ids, position: int) -> set[str]:
+    """Of ``ids``, the requests of one judged stream (``summary["runs"][guard]``) whose first token
+    differing from their reference comes after output token ``position``, as their kept
+    ``mismatched_outputs`` say (a request whose output was not kept is not among them)."""
+    kept = run.get("mismatched_outputs", {})
+    out = set()
+    for rid in ids:
+        entry = kept.get(rid)
+        if entry is None:
+            continue
+        a, b = entry["reference"], entry["stream"]
+        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        if first > position:
+            out.add(rid)
+    return out
+
+
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
     """The reference a request's first tokens are judged by: its prompt alone, or, for a
     one-token prompt that vLLM ran through its prefill kernels, the same on that path."""

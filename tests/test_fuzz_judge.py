@@ -509,3 +509,18 @@ def test_a_mismatch_s_trail_keeps_the_steps_before_its_first_differing_token():
     assert "steps" not in mismatch_trail(ref, got, None, "q3", prompt_len=1)
     # the same tokens: nothing differs, the trail ends where the shorter output does
     assert mismatch_trail(ref, ref, [], "q3", 1)["first_mismatch"] == 4
+
+
+def test_mismatched_past_names_requests_right_through_a_token():
+    """Which mismatched requests first differ after a given output token (the GPU fuzz asks it of
+    padded requests: right through token #1, the first read of the state their guarded step wrote)."""
+    from harness.fuzz_judge import mismatched_past
+
+    run = {"mismatched_outputs": {
+        "q1": dict(prompt=[7], stream=[5, 9, 1], reference=[5, 6, 1]),        # differs at #1
+        "q2": dict(prompt=[7], stream=[5, 6, 1, 3], reference=[5, 6, 1, 4]),  # differs at #3
+        "q3": dict(prompt=[7], stream=[4], reference=[5]),                    # differs at #0
+    }}
+    assert mismatched_past(run, {"q1", "q2", "q3", "q4"}, 1) == {"q2"}  # q4: no output kept
+    assert mismatched_past(run, {"q1", "q2"}, 0) == {"q1", "q2"}
+    assert mismatched_past({}, {"q1"}, 0) == set()
