@@ -171,6 +171,12 @@ def schedule_moved(base: dict, on: dict, perturbed: dict[str, int], prompt_lens:
     return moved
 
 
+def first_difference(a: list, b: list) -> int:
+    """The first position where two token lists differ (the shorter one's length where one is the
+    other's start)."""
+    return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def _row_slots(d: dict) -> list[list[int] | None]:
     """Each row's state slots in one traced step (``step_trace`` detail): a speculative row's
     slot columns, another row's one slot. GDN packs its speculative rows' columns
@@ -207,7 +213,7 @@ def mismatch_trail(reference: dict, got: dict, details: list | None, rid: str, p
     columns and accepted count) and the step's batch (query lengths, mode).
     """
     a, b = reference.get("tokens", []), got.get("tokens", [])
-    i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    i = first_difference(a, b)
     trail = dict(first_mismatch=i,
                  logprobs=dict(stream=[round(x, 4) for x in got.get("logprobs", [])[: i + 1]],
                                reference=[round(x, 4) for x in reference.get("logprobs", [])[: i + 1]]),
@@ -247,16 +253,8 @@ def mismatched_past(run: dict, ids, position: int) -> set[str]:
     differing from their reference comes after output token ``position``, as their kept
     ``mismatched_outputs`` say (a request whose output was not kept is not among them)."""
     kept = run.get("mismatched_outputs", {})
-    out = set()
-    for rid in ids:
-        entry = kept.get(rid)
-        if entry is None:
-            continue
-        a, b = entry["reference"], entry["stream"]
-        first = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        if first > position:
-            out.add(rid)
-    return out
+    return {rid for rid in ids
+            if rid in kept and first_difference(kept[rid]["reference"], kept[rid]["stream"]) > position}
 
 
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
