@@ -198,7 +198,7 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
     on, off, ratios, thread_ratios = [], [], [], []
     host_us, builds_us, guard_us, stood_down_guard_us = [], [], [], []
     p = 0
-    while p < pairs or (not resolved(ratios, ci_target) and p < (max_pairs or pairs)
+    while p < pairs or (ci_target is not None and not resolved(ratios, ci_target) and p < (max_pairs or pairs)
                         and (case_seconds is None or time.monotonic() - began < case_seconds)):
         if tokens_left < 2 * window_steps + 8:  # between pairs: new decoders, outside the windows
             tokens_left = new_decoders(p)
@@ -258,31 +258,22 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def engine_arguments(ap: argparse.ArgumentParser, *, batches: list[int], name: str) -> None:
+    """The options of ``engine_for``'s engine and of where results go, shared with ``hook_in_engine.py``."""
     ap.add_argument("--dims", choices=DIMS, default="tiny")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--gpu", action="store_true", help="CUDA settings (memory, GDN prefill backend)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
-    ap.add_argument("--pairs", type=int, default=40, help="on/off pairs of windows per case (at least)")
-    ap.add_argument("--ci-target", type=float, default=None,
-                    help="then more pairs until the 95%% interval of the median ratio is this narrow "
-                         "(a fraction: 0.005 = 0.5%%), up to --max-pairs and --case-seconds")
-    ap.add_argument("--max-pairs", type=int, default=2000)
-    ap.add_argument("--case-seconds", type=float, default=None, help="time limit per case for --ci-target")
-    ap.add_argument("--window-steps", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--batches", type=int, nargs="+", default=batches)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
-    ap.add_argument("--workdir", default="artifacts/engine_ab")
+    ap.add_argument("--workdir", default=f"artifacts/{name}")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--name", default="engine_ab")
-    args = ap.parse_args()
+    ap.add_argument("--name", default=name)
 
-    import subprocess
 
-    import torch
-
+def engine_for(args):
+    """The one engine the windows run in, compiled with GDNStatePass: ``args.dims``' model with
+    ``args.layers`` layers, room for the largest of ``args.batches``, CUDA settings with ``args.gpu``."""
     from gdn_pass.vllm.checker.scenarios import make_llm
 
     model = write_model(args.dims, args.layers, Path(args.workdir) / f"model_{args.dims}_{args.layers}")
@@ -293,10 +284,24 @@ def main() -> int:
     if args.gpu:
         engine_args.update(kv_cache_memory_bytes=args.kv_cache_bytes, gpu_memory_utilization=0.05,
                            additional_config={"gdn_prefill_backend": "triton"})
-    llm = make_llm(str(model), guard=True, **engine_args)
-    switch = HookSwitch()
-    import vllm
+    return make_llm(str(model), guard=True, **engine_args)
 
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    engine_arguments(ap, batches=[1, 8, 64, 256], name="engine_ab")
+    ap.add_argument("--pairs", type=int, default=40, help="on/off pairs of windows per case (at least)")
+    ap.add_argument("--ci-target", type=float, default=None,
+                    help="then more pairs until the 95%% interval of the median ratio is this narrow "
+                         "(a fraction: 0.005 = 0.5%%), up to --max-pairs and --case-seconds")
+    ap.add_argument("--max-pairs", type=int, default=2000)
+    ap.add_argument("--case-seconds", type=float, default=None, help="time limit per case for --ci-target")
+    ap.add_argument("--window-steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=10)
+    args = ap.parse_args()
+
+    llm = engine_for(args)
+    switch = HookSwitch()
     cases = []
     for batch in args.batches:
         for fresh in sorted({0, 1}):
@@ -304,11 +309,22 @@ def main() -> int:
                 cases.append(case(llm, switch, batch, fresh, args.pairs, args.window_steps, args.warmup,
                                   args.max_model_len - 64, args.ci_target, args.max_pairs, args.case_seconds))
                 print(json.dumps(cases[-1]), flush=True)
+    return finish(args, cases, render, "benchmarks/engine_ab.py")
+
+
+def finish(args, cases: list, render, script: str) -> int:
+    """The run's result (release, device, commit, command, cases), printed as ``render`` makes it
+    and, with ``args.out``, written there as ``args.name`` .json and .md."""
+    import subprocess
+
+    import torch
+    import vllm
+
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     result = dict(dims=args.dims, layers=args.layers, vllm=vllm.__version__, torch=torch.__version__,
                   device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine(),
-                  commit=commit, command=" ".join(sys.argv), cases=cases)
+                  commit=commit, command="python " + " ".join([script, *sys.argv[1:]]), cases=cases)
     text = render(result)
     print(text)
     if args.out:

@@ -40,17 +40,16 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import platform
 import random
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.engine_ab import HookSwitch, median_interval, window  # noqa: E402
-from benchmarks.engine_cost import DIMS, _params, write_model  # noqa: E402
+from benchmarks.engine_ab import (  # noqa: E402
+    HookSwitch, engine_arguments, engine_for, finish, median_interval, window)
+from benchmarks.engine_cost import _params  # noqa: E402
 
 STATES = ("off", "on", "answered", "kept")
 
@@ -144,52 +143,18 @@ def render(result: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dims", choices=DIMS, default="tiny")
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--gpu", action="store_true", help="CUDA settings (memory, GDN prefill backend)")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    engine_arguments(ap, batches=[1, 8], name="hook_in_engine")
     ap.add_argument("--rounds", type=int, default=60, help="windows of each state per case")
     ap.add_argument("--window-steps", type=int, default=10)
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--kv-cache-bytes", type=int, default=8 << 30)
-    ap.add_argument("--workdir", default="artifacts/hook_in_engine")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--name", default="hook_in_engine")
     args = ap.parse_args()
 
-    import torch
-    import vllm
-
-    from gdn_pass.vllm.checker.scenarios import make_llm
-
-    model = write_model(args.dims, args.layers, Path(args.workdir) / f"model_{args.dims}_{args.layers}")
-    engine_args = dict(load_format="auto" if args.dims.endswith("tiny") else "dummy",
-                       trust_remote_code=args.dims.startswith("bailing"), max_num_seqs=max(4, *args.batches) + 1,
-                       max_model_len=args.max_model_len, num_gpu_blocks_override=None, max_num_batched_tokens=8192,
-                       enable_prefix_caching=False)
-    if args.gpu:
-        engine_args.update(kv_cache_memory_bytes=args.kv_cache_bytes, gpu_memory_utilization=0.05,
-                           additional_config={"gdn_prefill_backend": "triton"})
-    llm = make_llm(str(model), guard=True, **engine_args)
+    llm = engine_for(args)
     switch, check = HookSwitch(), StepCheck()
     cases = []
     for batch in args.batches:
         cases.append(case(llm, switch, check, batch, args.rounds, args.window_steps, args.max_model_len - 64))
         print(json.dumps(cases[-1]), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    result = dict(dims=args.dims, layers=args.layers, vllm=vllm.__version__, torch=torch.__version__,
-                  device=torch.cuda.get_device_name() if torch.cuda.is_available() else platform.machine(),
-                  commit=commit, command="python " + " ".join(["benchmarks/hook_in_engine.py", *sys.argv[1:]]),
-                  cases=cases)
-    text = render(result)
-    print(text)
-    if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.name}.json").write_text(json.dumps(result, indent=1))
-        (out / f"{args.name}.md").write_text(text)
-    return 0
+    return finish(args, cases, render, "benchmarks/hook_in_engine.py")
 
 
 if __name__ == "__main__":
