@@ -88,6 +88,8 @@ def test_more_pairs_until_the_interval_of_the_median_is_as_narrow_as_asked(monke
 def test_without_a_target_the_pairs_asked_run(monkeypatch):
     assert _case_with_noise(monkeypatch, 0.02, pairs=20, max_tokens=100_000)[0]["pairs"] == 20
     assert _case_with_noise(monkeypatch, 0.02, pairs=20, max_tokens=100_000, ci_target=0.5)[0]["pairs"] == 20
+    # the command line always passes --max-pairs (default 2000): without --ci-target it is no target
+    assert _case_with_noise(monkeypatch, 0.02, pairs=20, max_tokens=100_000, max_pairs=2000)[0]["pairs"] == 20
 
 
 def test_decoders_are_replaced_before_they_run_out_of_tokens(monkeypatch):
