@@ -6,7 +6,7 @@ there the model's forward between two steps has evicted the hook's code and
 data from the CPU's caches, and line timings taken in a warm loop do not say
 which line pays for that. This benchmark splits the in-engine cost itself.
 One engine, compiled with GDNStatePass, runs windows of steps without fresh
-rows in three states, their order rotated through every permutation from one
+rows in four states, their order rotated through every permutation from one
 round to the next:
 
 - ``off``: vLLM's own builds (``engine_ab.HookSwitch``);
@@ -64,7 +64,6 @@ class StepCheck:
         self.hook, self.rows = metadata_hook, rows
         self.real = metadata_hook.has_new_rows
         self.windows_with_rows = 0
-
         self.kept: list = []
 
     def set(self, state: str) -> None:
@@ -87,6 +86,9 @@ class StepCheck:
 
 def case(llm, switch: HookSwitch, check: StepCheck, batch: int, rounds: int, window_steps: int,
          max_tokens: int) -> dict:
+    if rounds * len(STATES) * window_steps + 4 + window_steps >= max_tokens:
+        raise SystemExit(f"--rounds {rounds} x {len(STATES)} windows of {window_steps} steps outlast the "
+                         f"decoders' {max_tokens} tokens: fewer rounds or a longer --max-model-len")
     engine = llm.llm_engine
     rng = random.Random(batch)
     decoders = [f"d{batch}-{i}" for i in range(batch)]
@@ -95,9 +97,6 @@ def case(llm, switch: HookSwitch, check: StepCheck, batch: int, rounds: int, win
                            _params(max_tokens))
     for _ in range(4 + window_steps):  # their prefills, then steady decoding
         engine.step()
-    if rounds * len(STATES) * window_steps + 4 + window_steps >= max_tokens:
-        raise SystemExit(f"--rounds {rounds} x {len(STATES)} windows of {window_steps} steps outlast the "
-                         f"decoders' {max_tokens} tokens: fewer rounds or a longer --max-model-len")
     check.windows_with_rows = 0  # the windows' steps only (the prefills above had new rows)
     orders = list(itertools.permutations(STATES))
     per_state = {state: [] for state in STATES}
