@@ -82,11 +82,10 @@ def keep_off_full_graphs(builder, vllm_config) -> None:
 
     if not getattr(builder, "use_spec_decode", False):
         return
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     # the builder's own reading of the mode where it keeps one (GDN: it stages FULL buffers by it)
     full = getattr(builder, "use_full_cuda_graph", None)
     if full is None:
-        full = mode is not None and mode.has_full_cudagraphs()
+        full = support.captures_full_graphs(vllm_config)
     if not full or support.runs_v2_model_runner(vllm_config):
         return
     name = type(builder).__name__

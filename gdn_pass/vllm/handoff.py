@@ -30,6 +30,7 @@ build, zeroes them together::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 
@@ -40,8 +41,9 @@ from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_new_r
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
 
-__all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "handoff_of", "join", "joint_activity",
-           "new_decode_rows"]
+__all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "captured_staged_rows", "defer", "deferral_activity",
+           "handoff_of", "join",
+           "joint_activity", "new_decode_rows", "note_staged_capture", "resolve_deferred"]
 
 # The one attribute of vLLM's metadata object that gdn-pass sets.
 ATTR = "gdn_pass_handoff"
@@ -78,6 +80,15 @@ class StepHandoff:
     anyway (inside a FULL CUDA graph's capture) asks it for the step's own
     hand-off, ``in_capture(metadata)``, and zeroes through that one. None on a
     step's own hand-off.
+
+    ``resolve``: set on a builder's *deferred* hand-off, shared by every step
+    whose build only attached it (``metadata_hook``: the op guard owns the
+    group, on CUDA, in an engine that replays FULL CUDA graphs). The step's
+    rows are then not known yet: ``resolve(metadata, capturing)`` makes them
+    and attaches the step's real hand-off (``resolve_deferred`` does it for every deferred
+    build of the step at once, so that one launch still zeroes them all). A
+    FULL CUDA graph's replay runs no guarded op's Python: its captured launch
+    reads vLLM's own tensors, and the step's rows are never made on the host.
     """
 
     rows: StagedRowMetadata
@@ -88,6 +99,7 @@ class StepHandoff:
     zeroed_by_op: bool = False
     in_capture: Callable[[object], StepHandoff] | None = None
     joint: JointZeroing | None = None
+    resolve: Callable[[object, bool], StepHandoff] | None = None
 
     def zero(self, caches, *, whole_table: bool) -> int:
         """Zero this step's fresh slots; the launches made. Both guards zero through here.
@@ -219,7 +231,77 @@ def attach(metadata, handoff: StepHandoff):
     return metadata
 
 
-def handoff_of(metadata) -> StepHandoff | None:
+# The builds deferred since the step's first (``defer``), in build order: each builder's deferred
+# hand-off, and a weak reference to the build's metadata (a step whose forward runs no guarded op,
+# a FULL CUDA graph's replay, leaves them to die with its metadata). A builder's hand-off noted
+# again starts the lists over: that is a new step (vLLM builds every group once per step, in one
+# thread).
+_deferred: list[StepHandoff] = []
+_deferred_metadata: list[weakref.ref] = []
+# Steps whose deferred builds a guarded op resolved in this process, for reports and tests
+# (``deferral_activity``).
+_DEFERRAL_ACTIVITY = {"resolved_steps": 0}
+# Set once a FULL CUDA graph's capture zeroed through staged rows (``note_staged_capture``): its
+# replays read the staged buffers, which only a build refreshes, so no build may be deferred.
+_staged_capture: list[bool] = [False]
+
+
+def defer(metadata, pending: StepHandoff):
+    """Attach a builder's deferred hand-off ``pending`` (``StepHandoff.resolve``) to the step's
+    ``metadata``, and note the build for ``resolve_deferred``; return ``metadata``."""
+    if pending in _deferred:  # identity: hand-offs compare by it
+        _deferred.clear()
+        _deferred_metadata.clear()
+    try:
+        ref = weakref.ref(metadata)
+    except TypeError:  # a metadata class without weak references (none of vLLM's): kept for the step
+        ref = functools.partial(_same, metadata)
+    _deferred.append(pending)
+    _deferred_metadata.append(ref)
+    setattr(metadata, ATTR, pending)
+    return metadata
+
+
+def resolve_deferred(metadata, *, capturing: bool = False) -> StepHandoff:
+    """The step's real hand-off of ``metadata`` (whose attached one is deferred), after resolving
+    every deferred build of the step noted before it, in build order: the first guarded op of the
+    step asks, and one launch then zeroes every group's new rows, as where the builds staged them.
+    ``capturing``: the op asks inside a FULL CUDA graph's capture, where nothing may be staged."""
+    noted = [(pending, ref()) for pending, ref in zip(_deferred, _deferred_metadata)]
+    _deferred.clear()
+    _deferred_metadata.clear()
+    _DEFERRAL_ACTIVITY["resolved_steps"] += 1
+    for pending, other in noted:
+        if other is not None and getattr(other, ATTR, None) is pending:
+            pending.resolve(other, capturing)
+    handoff = getattr(metadata, ATTR)
+    return handoff.resolve(metadata, capturing) if handoff.resolve is not None else handoff
+
+
+def _same(value):
+    return value
+
+
+def deferral_activity() -> dict:
+    """``{"resolved_steps": n}``: steps whose deferred builds a guarded op resolved (a replayed FULL
+    graph's steps resolve none)."""
+    return dict(_DEFERRAL_ACTIVITY)
+
+
+def note_staged_capture() -> None:
+    """A FULL CUDA graph's capture zeroed through staged rows: no build is deferred from now on."""
+    _staged_capture[0] = True
+
+
+def captured_staged_rows() -> bool:
+    return _staged_capture[0]
+
+
+def handoff_of(metadata, *, capturing: bool = False) -> StepHandoff | None:
     """The hand-off the metadata hook attached to ``metadata``; None where it attached none
-    (pass not configured, plugin not installed, or the builder's entry stood down)."""
-    return getattr(metadata, ATTR, None)
+    (pass not configured, plugin not installed, or the builder's entry stood down). A deferred
+    build's is resolved first (``resolve_deferred``): whoever reads it gets the step's rows."""
+    handoff = getattr(metadata, ATTR, None)
+    if handoff is not None and handoff.resolve is not None:
+        return resolve_deferred(metadata, capturing=capturing)
+    return handoff

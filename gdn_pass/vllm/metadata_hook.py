@@ -30,6 +30,26 @@ step guard (``step_guard``) zeroes the fresh slots right after the build;
 the linear-attention builders, whose reads sit inside ``vllm::linear_attention``
 (no guarded op), always take that path. An entry whose builder this vLLM already
 fixed stands down at engine start (``support.decide``).
+
+Where the op guard owns the group on CUDA, in an engine that replays FULL
+CUDA graphs, a step's builds make no rows at all: each attaches its
+builder's deferred hand-off, and the step's first guarded op makes the rows
+of every group of the step (``handoff.resolve_deferred``)::
+
+    build:               metadata.handoff = state.deferred                  # no row read
+    first guarded op:    for each deferred build of the step: _check_step(...)   # as at build
+    FULL graph replay:   nothing on the host (no guarded op's Python runs; the captured
+                         launch finds the new rows in vLLM's own tensors)
+
+so a replayed step, with new rows or without, costs the host the wrappers
+alone. Inside a FULL graph's capture a deferred build resolves to the
+capture's hand-off (nothing staged: a capture must not record a copy), and
+once a capture has zeroed through staged rows (a step vLLM's tensors cannot
+describe), every build checks its step again (``handoff.captured_staged_rows``).
+Steps with a prompt row (``max_query_len`` over 1: vLLM's runners replay FULL
+graphs for decode steps only), builds called with positional inputs (vLLM's
+capture builds) and CPU engines, whose every step runs its guarded ops, are
+checked at build as before.
 """
 
 from __future__ import annotations
@@ -43,7 +63,7 @@ from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import accepted_counts, builders, compat, draftless_steps, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
-from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, join
+from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, captured_staged_rows, defer, join
 from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
 
 __all__ = ["BuilderState", "state_of", "install", "is_installed"]
@@ -98,6 +118,10 @@ class BuilderState:
     # FULL CUDA graph's capture (``_capture_handoff``).
     idle: StepHandoff | None = None
     common: object = None
+    # The hand-off a build only attaches where the op guard owns the group (``_deferrable``): the
+    # step's first guarded op makes the step's rows (``handoff.resolve_deferred``), and a FULL CUDA
+    # graph's replay, which runs no guarded op's Python, never makes them on the host.
+    deferred: StepHandoff | None = None
 
 
 def state_of(builder) -> BuilderState | None:
@@ -226,10 +250,29 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
 
 def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata,
                 inputs: tuple | None = None):
-    """Stage the step's rows to zero, and zero them here where the step guard owns the group.
+    """Stage the step's rows to zero, and zero them here where the step guard owns the group; or,
+    where the group's builds are deferred (``_deferrable``), vLLM's runner calls this one with its
+    inputs by keyword (its capture builds do not) and every row of the step has at most one token
+    (the steps a FULL decode graph can replay), leave that to the step's first guarded op.
 
     ``inputs``: the build's ``(common_attn_metadata, num_decode_draft_tokens_cpu)`` where the caller
     has read them already (``compat.step_inputs``)."""
+    deferred = state.deferred
+    # A step with a prompt row (max_query_len over 1) replays no FULL decode graph in vLLM's runners:
+    # its guarded ops run, and deferring would only move its check into them.
+    common = kwargs.get("common_attn_metadata")
+    if deferred is not None and common is not None and common.max_query_len <= 1 and not captured_staged_rows():
+        if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
+            _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
+        setattr(metadata, _BUILD_INPUTS, (args, kwargs))
+        return defer(metadata, deferred)
+    return _check_step(builder, state, original_build, args, kwargs, metadata, inputs)
+
+
+def _check_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata,
+                inputs: tuple | None = None):
+    """``_guard_step`` of a build whose step's rows are made now: at the build, or (a deferred
+    build) at the step's first guarded op (``_resolve``)."""
     if inputs is not None:
         common, draft_counts = inputs
     else:
@@ -268,6 +311,9 @@ def _stage_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         owner = state.owner = _decide_owner(state)
         state.idle = StepHandoff(rows, 0, None, None, owner is _STEP,
                                  in_capture=functools.partial(_capture_handoff, state))
+        if _deferrable(builder, state):
+            state.deferred = StepHandoff(rows, None, None, None, False,
+                                         resolve=functools.partial(_resolve, builder, state, original_build))
     step_owned = owner is _STEP
     fresh, decode = state.entry.stage_step(rows, common, metadata, draft_counts, on_device=table is not None)
     handoff = StepHandoff(rows, fresh, table, decode, step_owned)
@@ -287,6 +333,35 @@ def _capture_handoff(state: BuilderState, metadata) -> StepHandoff:
     table, rows = state.table, state.rows
     decode = None if table is None else state.entry.decode_rows(state.common, metadata, rows.max_rows)
     return StepHandoff(rows, 0, table, decode, state.owner is _STEP)
+
+
+def _deferrable(builder, state: BuilderState) -> bool:
+    """Whether this group's builds may leave the step's rows to its first guarded op: the op guard
+    owns it, on CUDA (a cache table), in an engine that replays FULL CUDA graphs (whose steps then
+    read no row on the host), and the build changes nothing before vLLM's (no rows kept for other
+    groups, no decodes kept, no prompt chunks, not only padded rows) nor speculates (a speculative
+    step's new rows are the host's to say). Elsewhere every step runs its guarded ops, and deferring
+    would only add to them."""
+    return (state.owner is step_guard.Owner.OP and state.table is not None
+            and support.captures_full_graphs(state.context.vllm_config)
+            and not getattr(builder, "use_spec_decode", False)
+            and not state.shares_metadata and not state.keeps_decodes
+            and state.prompt_chunks is None and not state.padded_rows_only and not state.step_guard_only)
+
+
+def _resolve(builder, state: BuilderState, original_build, metadata, capturing: bool) -> StepHandoff:
+    """A deferred build's step hand-off, made from the build's inputs kept on its metadata, and
+    attached. Inside a FULL CUDA graph's capture, the capture's own (``_capture_handoff``), which
+    stages nothing: its launch is recorded, not run, and replays read vLLM's tensors (or, where
+    the entry cannot read them there, the staged rows, and the op guard then stops deferral)."""
+    args, kwargs = getattr(metadata, _BUILD_INPUTS)
+    if capturing:
+        state.common, _ = compat.step_inputs(original_build, builder, args, kwargs)
+        handoff = _capture_handoff(state, metadata)
+        attach(metadata, handoff)
+        return handoff
+    _check_step(builder, state, original_build, args, kwargs, metadata)
+    return getattr(metadata, ATTR)
 
 
 def _on_builder_created(builder, entry: builders.StateBuilder, init, build, args, kwargs) -> None:

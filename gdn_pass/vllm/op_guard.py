@@ -16,7 +16,9 @@ metadata what the metadata hook computed for the step
     slot[r]  = metadata.non_spec_state_indices_tensor[r]
 
 A step whose metadata says no row is fresh (the host's count) launches
-nothing, except inside CUDA-graph capture. On CUDA the first guarded op
+nothing, except inside CUDA-graph capture. Where the hook deferred the
+step's builds (``handoff.StepHandoff.resolve``), the first guarded op of the
+step makes their rows, for every group at once, before anything else. On CUDA the first guarded op
 of a step zeroes the fresh slots of every GDN layer that shares its
 metadata, in one launch; the others skip. Where the step's new rows are
 vLLM's decode rows, that launch covers every group the hook joined
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from gdn_pass.vllm.handoff import attach, handoff_of
+from gdn_pass.vllm.handoff import ATTR, attach, handoff_of, note_staged_capture, resolve_deferred
 from gdn_pass.vllm.step_guard import note_guarded_layer
 from gdn_pass.vllm.support import stood_down
 
@@ -81,7 +83,10 @@ def zero_fresh_state(layer_name: str) -> None:
         metadata = all_metadata.get(getattr(layer, "prefix", layer_name))
         if metadata is None:
             return
-    handoff = handoff_of(metadata)
+    handoff = getattr(metadata, ATTR, None)
+    if handoff is not None and handoff.resolve is not None:
+        # A deferred build: the step's first guarded op makes its rows, for all the step's groups.
+        handoff = resolve_deferred(metadata, capturing=_capturing())
     if handoff is None:
         if "gdn" in stood_down():  # vLLM fixed the GDN builder here: the guarded op is the original
             return
@@ -101,6 +106,8 @@ def zero_fresh_state(layer_name: str) -> None:
     if handoff.in_capture is not None:  # the builder's shared hand-off: this step gets its own
         handoff = handoff.in_capture(metadata)
         attach(metadata, handoff)  # the group's other guarded ops find it done
+    if handoff.decode is None and _capturing():
+        note_staged_capture()  # the graph's replays read the staged rows: every build must stage them
     table = handoff.table
     if table is not None and layer.kv_cache[0].data_ptr() in table.addresses:
         # One launch zeroes every GDN layer of this metadata's group (of every group the

@@ -143,10 +143,9 @@ def for_builder(entry, builder, vllm_config) -> PromptChunks | None:
         _say_once("v2-supplied", f"gdn-pass: vLLM {compat.vllm_version()}'s V2 model runner passes "
                   f"{type(builder).__name__} no accepted counts; gdn-pass passes it the ones the runner "
                   "passes GDN's builder, so its speculating rows take its speculative path")
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
     max_rows = int(builder.decode_cudagraph_max_bs)
     return PromptChunks(width=width, max_graph_rows=max_rows,
-                        full_graphs=bool(mode is not None and mode.has_full_cudagraphs()),
+                        full_graphs=support.captures_full_graphs(vllm_config),
                         accepted_ones=torch.ones(max_rows, dtype=torch.int32,
                                                  device=builder.decode_state_indices_tensor.device))
 

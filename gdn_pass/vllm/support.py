@@ -47,8 +47,8 @@ import torch
 from gdn_pass.vllm import builders, compat
 from gdn_pass.vllm.split_probe import ProbeError, SplitFindings, as_inference_tensors, probe_split
 
-__all__ = ["ACTS", "Check", "Decision", "REFUSES", "STANDS_DOWN", "decide", "decide_for_class", "is_probing",
-           "reroute_holds", "stood_down"]
+__all__ = ["ACTS", "Check", "Decision", "REFUSES", "STANDS_DOWN", "captures_full_graphs", "decide", "decide_for_class",
+           "is_probing", "reroute_holds", "stood_down"]
 
 ACTS, STANDS_DOWN, REFUSES = "acts", "stands down", "refuses"
 
@@ -238,12 +238,18 @@ def reroute_holds(vllm_config) -> str | None:
         return "and this platform replays no CUDA graphs"
     if vllm_config is None:
         return None
-    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
-    if mode is None or not mode.has_full_cudagraphs():
+    if not captures_full_graphs(vllm_config):
         return "and this engine captures no FULL CUDA graphs"
     if runs_v2_model_runner(vllm_config):
         return "and the V2 model runner keeps steps with a fresh prefill off FULL decode graphs"
     return None
+
+
+def captures_full_graphs(vllm_config) -> bool:
+    """Whether the engine's compilation config captures FULL CUDA graphs (FULL, FULL_DECODE_ONLY,
+    FULL_AND_PIECEWISE: vLLM's ``CUDAGraphMode.has_full_cudagraphs``)."""
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is not None and mode.has_full_cudagraphs()
 
 
 def runs_v2_model_runner(vllm_config) -> bool:

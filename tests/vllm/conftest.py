@@ -40,6 +40,17 @@ def _hide_stand_in_ops(monkeypatch):
                         lambda: [n for n in registered() if not n.startswith(STAND_IN_OPS)])
 
 
+@pytest.fixture(autouse=True)
+def _fresh_deferral(monkeypatch):
+    """Each test starts where no FULL CUDA graph's capture has zeroed through staged rows and no
+    build is deferred (``gdn_pass.vllm.handoff``: process-wide, as in one engine)."""
+    from gdn_pass.vllm import handoff
+
+    monkeypatch.setattr(handoff, "_staged_capture", [False])
+    monkeypatch.setattr(handoff, "_deferred", [])
+    monkeypatch.setattr(handoff, "_deferred_metadata", [])
+
+
 @pytest.fixture(scope="session")
 def engine_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("engines")

@@ -25,6 +25,9 @@ import torch
 from gdn_pass.kernels.zero_rows import CacheTable
 
 ENV = "GDN_PASS_TEST_CUDA_ZEROING"
+# With ENV: the engine counts as one that captures FULL CUDA graphs (none replays on CPU), so that
+# the op guard's groups defer their builds to the step's first guarded op (``metadata_hook``).
+DEFER_ENV = "GDN_PASS_TEST_DEFERRED_BUILDS"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -125,12 +128,16 @@ def emulate_in_engine() -> None:
 
     handoff.zero_rows_all = forbidden("zero_rows_all")
     handoff.zero_rows = forbidden("zero_rows")
+    if os.environ.get(DEFER_ENV) == "1":  # as where FULL CUDA graphs are captured: builds are deferred
+        from gdn_pass.vllm import support
+
+        support.captures_full_graphs = lambda vllm_config: True
 
 
-def engine_env() -> dict:
+def engine_env(deferred_builds: bool = False) -> dict:
     """Environment entries that put an engine process's guards on the CUDA zeroing path
     (``cuda_path_site``, ``emulate_in_engine``)."""
-    return {"TRITON_INTERPRET": "1", ENV: "1",
+    return {"TRITON_INTERPRET": "1", ENV: "1", DEFER_ENV: "1" if deferred_builds else "0",
             "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT), os.environ.get("PYTHONPATH", "")])}
 
 

@@ -62,13 +62,16 @@ def test_compiled_engine_leaves_the_zeroing_to_the_guarded_ops(demo):
     assert on["steps_zeroed"] == 0, on
 
 
-@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "enforce_eager"])
-def test_engine_on_the_cuda_zeroing_path(demo, qwen3_next_checkpoint, engine_dir, monkeypatch, compiled):
+@pytest.mark.parametrize("compiled, deferred", [(True, False), (True, True), (False, False)],
+                         ids=["compiled", "compiled_deferred_builds", "enforce_eager"])
+def test_engine_on_the_cuda_zeroing_path(demo, qwen3_next_checkpoint, engine_dir, monkeypatch, compiled, deferred):
     """The pass-on engine again, its guards on the CUDA zeroing path (a table of the CPU caches, the
     kernels in Triton's interpreter: ``tests/vllm/cuda_zeroing.py``, nothing staged), and R3 equal
     to its isolated run. Compiled: the op guard's first op of R3's step zeroes the fresh row's slot
     in all three GDN groups (one layer each) in one launch (zeroing the first group only: R3
-    diverges at token 7). Eager: the step guard zeroes each group at its build, one launch each."""
+    diverges at token 7). Deferred builds (the engine counted as one that captures FULL graphs):
+    the same, with every step's rows made at its first guarded op, none at build. Eager: the step
+    guard zeroes each group at its build, one launch each."""
     from gdn_pass.checker.demo import compare, run_scenario
     from tests.vllm.cuda_zeroing import engine_env
 
@@ -78,11 +81,13 @@ def test_engine_on_the_cuda_zeroing_path(demo, qwen3_next_checkpoint, engine_dir
     # The reference runs in the same mode (eager and compiled kernels round differently).
     isolated = (demo["results"]["isolated"] if compiled else
                 run_scenario("isolated", "off", qwen3_next_checkpoint, workdir, eager=True, name="isolated_eager"))
-    for key, value in engine_env().items():
+    for key, value in engine_env(deferred_builds=deferred).items():
         monkeypatch.setenv(key, value)
     on = run_scenario("poisoned", "on", qwen3_next_checkpoint, workdir, eager=not compiled,
-                      name=f"pass_on_cuda_path_{'compiled' if compiled else 'eager'}")
+                      name=f"pass_on_cuda_path_{'compiled' if compiled else 'eager'}{'_deferred' if deferred else ''}")
     joint, guard = on["joint_zeroing"], on["step_guard"]
+    # every step after each builder's first build resolved at its first guarded op, or none
+    assert (on["deferral"]["resolved_steps"] > 0) == deferred, on["deferral"]
     if compiled:
         assert set(guard["owners"].values()) == {"op"} and guard["steps_zeroed"] == 0, guard
         assert joint["steps"] > 0 and joint["launches"] == joint["steps"] and joint["groups"] == 3 * joint["steps"], joint

@@ -399,6 +399,8 @@ def main() -> None:
         step_guard=step_guard.activity(),
         # steps whose groups the op guard zeroed in one launch (CUDA, outside captured graphs)
         joint_zeroing=handoff.joint_activity(),
+        # steps whose deferred builds the op guard resolved (CUDA engines with FULL graphs)
+        deferral=handoff.deferral_activity(),
         # registry entries that stood down in this engine (vLLM fixed their builder)
         stood_down=sorted(support.stood_down()),
         model_runner=model_runner_of(llm),
