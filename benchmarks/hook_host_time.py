@@ -53,7 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per_group: int,
-                  kind: str = "gdn") -> list:
+                  kind: str = "gdn", full_graphs_on_cpu: bool = False) -> list:
     """``groups`` configured builders of ``kind`` over poisoned-free caches in vLLM's static forward context.
 
     ``gdn``: ``GDNAttentionMetadataBuilder`` over Qwen3-Next's per-layer state shapes, every layer
@@ -77,6 +77,10 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
         compilation_config=CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()}),
         additional_config={"gdn_prefill_backend": "triton"})
     config.scheduler_config.max_num_seqs = max(config.scheduler_config.max_num_seqs, num_blocks)
+    if full_graphs_on_cpu:  # set after VllmConfig, which turns CUDA graphs off on a CPU platform
+        from vllm.config import CUDAGraphMode
+
+        config.compilation_config.cudagraph_mode = CUDAGraphMode.FULL_AND_PIECEWISE
     context = config.compilation_config.static_forward_context
     if kind == "gdn":
         from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as builder_class
@@ -376,8 +380,9 @@ def main():
                          "launches there")
     ap.add_argument("--cuda-path-on-cpu", action="store_true",
                     help="CPU only: the builds take the guards' CUDA path (a cache table of the CPU caches, as "
-                         "tests/vllm/cuda_zeroing.py makes it: vLLM's decode rows handed on, nothing staged); "
-                         "builds only, since the launch would run in Triton's interpreter")
+                         "tests/vllm/cuda_zeroing.py makes it: vLLM's decode rows handed on, nothing staged) in an "
+                         "engine that captures FULL CUDA graphs; builds only, as a replayed FULL graph's step "
+                         "(the launch would run in Triton's interpreter)")
     ap.add_argument("--inference-host-tensors", action="store_true",
                     help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
@@ -398,7 +403,7 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
     builders = make_builders(device, max([*args.batches, *(p for _, p in padded)]) + 2, args.groups,
-                             args.layers_per_group, args.builder)
+                             args.layers_per_group, args.builder, full_graphs_on_cpu=args.cuda_path_on_cpu)
     forward = Forward(builders) if args.forward else None
     rows = []
     cases = [(batch, fresh, None) for batch in args.batches for fresh in sorted({0, 1, batch // 2})]

@@ -24,8 +24,10 @@ round to the next:
   happens inside the build, work vLLM would otherwise do elsewhere in the
   step. ``answered - kept`` is that work.
 
-Per round it takes each window's median of the builders' ``build`` time per
-step (``engine_ab.HostClock``), and reports, as medians over rounds with a
+Per round it takes each window's median per step of the time in the builders'
+``build`` plus the guarded ops' calls of the op guard (``engine_ab.HostClock``:
+where the hook's work runs; a deferred build's rows are made in the step's
+first guarded op), and reports, as medians over rounds with a
 distribution-free 95% interval: the hook (``on - off``), its step check
 (``on - answered``), the rest of it (``answered - off``: the wrappers, the
 hand-off, the group's cache check), and of the rest the freeing of the last
@@ -104,7 +106,7 @@ def case(llm, switch: HookSwitch, check: StepCheck, batch: int, rounds: int, win
         for state in orders[r % len(orders)]:
             switch.set(state != "off")
             check.set(state)
-            run = lambda: window(engine, rng, 0, window_steps, switch.clock)[2]  # noqa: E731
+            run = lambda: sum(window(engine, rng, 0, window_steps, switch.clock)[2:])  # noqa: E731
             per_state[state].append(check.window(run) if state == "on" else run())
     switch.set(True)
     check.set("on")
@@ -131,7 +133,7 @@ def render(result: dict) -> str:
     lines = [f"# The metadata hook's host time inside one engine, split ({result['dims']}, {result['layers']} layers)",
              "", f"vLLM {result['vllm']}, torch {result['torch']}, {result['device']}, commit `{result['commit']}`.", "",
              f"    {result['command']}", "",
-             "| B | vLLM's builds, us/step | hook (on - off), us/step (95% CI) | of it the step check (on - answered) "
+             "| B | vLLM's builds and the guarded ops' calls, us/step | hook (on - off), us/step (95% CI) | of it the step check (on - answered) "
              "| the rest (answered - off) | of the rest, freeing the last step's metadata (answered - kept) "
              "| rounds x steps |", "|---|---|---|---|---|---|---|"]
     for c in result["cases"]:
