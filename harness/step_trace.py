@@ -164,9 +164,14 @@ def compare_with_hook(state: dict, m, md, ids: list, qlens, computed, trace_fres
     which requests, their lengths as each side saw them, and vLLM's split.
     """
     from gdn_pass.vllm import rows
-    from gdn_pass.vllm.handoff import handoff_of
+    from gdn_pass.vllm.handoff import ATTR
 
-    handoff = handoff_of(md)
+    handoff = getattr(md, ATTR, None)
+    if handoff is not None and handoff.resolve is not None:
+        # A deferred build: its rows are made by the step's first guarded op, or never (a replayed
+        # FULL graph's step). Asking for them here would make them at build, the path it skips.
+        state["hook_deferred"] = state.get("hook_deferred", 0) + 1
+        return
     if handoff is None or handoff.host_fresh is None:
         return  # pass off, or the hook wraps this trace and attaches later
     slots_d = getattr(md, "state_indices_tensor_d", None)
@@ -232,6 +237,7 @@ class StepTrace:
         state["kept_off_full_graph_rows"] = {}
         state["schedule"] = {}
         state["hook_compared"] = 0
+        state["hook_deferred"] = 0
         state["hook_disagreements"] = []
         state["runner"] = getattr(self, "model_runner", None)
         if _ACTIVE.get("installed"):
@@ -418,6 +424,8 @@ class StepTrace:
                     schedule=dict(state.get("schedule", {})),
                     # the plugin hook's count of rows to zero against this trace's, per step
                     hook_compared_steps=state.get("hook_compared", 0),
+                    # builds whose rows the hook deferred to the step's first guarded op: not compared
+                    hook_deferred_builds=state.get("hook_deferred", 0),
                     hook_disagreements=list(state.get("hook_disagreements", [])),
                     spec_steps=sum(s["rows"]["spec"] > 0 for s in steps),
                     # rows the chunk_rows_one_slot mutation gave one slot (diagnostic runs only)

@@ -105,6 +105,20 @@ def test_hook_and_trace_agreeing_is_counted_and_keeps_no_rows():
     assert state["hook_compared"] == 1 and state["hook_disagreements"] == []
 
 
+def test_a_deferred_build_is_counted_and_its_rows_are_not_made():
+    """A deferred build's rows are the step's first guarded op's to make: the trace must not make
+    them at build (it would run the path the engine skips) and compares nothing for it."""
+    import pytest
+
+    from gdn_pass.vllm.handoff import StepHandoff
+
+    state = {}
+    m, md, qlens, computed = _step([12, 1, 31], [1, 1, 1], [11, 0, 30], num_decodes=3, host_fresh=1)
+    md.gdn_pass_handoff = StepHandoff(rows=None, resolve=lambda *a: pytest.fail("the deferred build resolved"))
+    step_trace.compare_with_hook(state, m, md, ["a", "b", "c"], qlens, computed, trace_fresh=1)
+    assert state == {"hook_deferred": 1}
+
+
 def test_a_row_the_hook_counts_and_the_trace_does_not_is_kept_with_both_views():
     # the hook's host lengths call row "b" new; the device's computed count says it has a token
     state = {"steps": [{}]}
