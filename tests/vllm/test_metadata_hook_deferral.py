@@ -92,6 +92,16 @@ def assert_new_rows_zeroed(layers):
                 assert (cache[others].isnan() | cache[others].eq(6.0)).all(), f"group {g}: another slot changed"
 
 
+def assert_checked_at_build_and_zeroed(monkeypatch, built, layers, step=None) -> None:
+    """One step's builds, none deferred: each counts the step's new row at build (one per group),
+    and the forward then zeroes every group's new-row slot and nothing else."""
+    metadata = build_step(built, step)
+    assert not any(deferred(md) for md in metadata.values()), "a build deferred"
+    assert all(handoff_of(md).host_fresh == 1 for md in metadata.values())
+    forward(monkeypatch, layers, metadata)
+    assert_new_rows_zeroed(layers)
+
+
 @needs_a_table
 def test_builds_read_no_rows_and_the_first_guarded_op_zeroes_every_group(monkeypatch, guarded, zero_calls):
     built, layers = three_groups(monkeypatch)
@@ -184,11 +194,7 @@ def test_after_a_capture_through_staged_rows_every_build_checks_its_step(monkeyp
     assert staged_launches and handoff.captured_staged_rows()
     poison(layers)
     zero_calls.clear()
-    metadata = build_step(built)
-    assert not any(deferred(md) for md in metadata.values()), "a build deferred after a staged capture"
-    assert all(handoff_of(md).host_fresh == 1 for md in metadata.values())
-    forward(monkeypatch, layers, metadata)
-    assert_new_rows_zeroed(layers)
+    assert_checked_at_build_and_zeroed(monkeypatch, built, layers)
 
 
 @needs_a_table
@@ -208,11 +214,7 @@ def test_a_step_with_a_prompt_row_checks_its_step_at_build(monkeypatch, guarded,
     zero_calls.clear()
     step = dataclasses.replace(common_metadata([9, 0, 30, 0], [1, 1, 1, 5]),
                                block_table_tensor=torch.tensor([[3], [4], [5], [6]], dtype=torch.int32))
-    metadata = build_step(built, step)
-    assert not any(deferred(md) for md in metadata.values()), "a step with a prompt row deferred"
-    assert all(handoff_of(md).host_fresh == 1 for md in metadata.values())
-    forward(monkeypatch, layers, metadata)
-    assert_new_rows_zeroed(layers)
+    assert_checked_at_build_and_zeroed(monkeypatch, built, layers, step)
 
 
 def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, guarded, zero_calls):
@@ -220,11 +222,7 @@ def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, gu
     table), and on CUDA in an engine that captures no FULL graph, each build checks its step."""
     built, layers = three_groups(monkeypatch, full_graphs=not on_the_cuda_path())
     zero_calls.clear()
-    metadata = build_step(built)
-    assert not any(deferred(md) for md in metadata.values()), "a build deferred"
-    assert all(handoff_of(md).host_fresh == 1 for md in metadata.values())
-    forward(monkeypatch, layers, metadata)
-    assert_new_rows_zeroed(layers)
+    assert_checked_at_build_and_zeroed(monkeypatch, built, layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a cache zeroed twice or never"
 
 
