@@ -42,8 +42,7 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows
 
 __all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "captured_staged_rows", "defer", "deferral_activity",
-           "handoff_of", "join",
-           "joint_activity", "new_decode_rows", "note_staged_capture", "resolve_deferred"]
+           "handoff_of", "join", "joint_activity", "new_decode_rows", "note_staged_capture", "resolve_deferred"]
 
 # The one attribute of vLLM's metadata object that gdn-pass sets.
 ATTR = "gdn_pass_handoff"
@@ -85,8 +84,9 @@ class StepHandoff:
     whose build only attached it (``metadata_hook``: the op guard owns the
     group, on CUDA, in an engine that replays FULL CUDA graphs). The step's
     rows are then not known yet: ``resolve(metadata, capturing)`` makes them
-    and attaches the step's real hand-off (``resolve_deferred`` does it for every deferred
-    build of the step at once, so that one launch still zeroes them all). A
+    and attaches the step's real hand-off (``resolve_deferred`` does it for
+    every deferred build of the step at once, so that one launch still zeroes
+    them all). A
     FULL CUDA graph's replay runs no guarded op's Python: its captured launch
     reads vLLM's own tensors, and the step's rows are never made on the host.
     """

@@ -18,10 +18,10 @@ metadata what the metadata hook computed for the step
 A step whose metadata says no row is fresh (the host's count) launches
 nothing, except inside CUDA-graph capture. Where the hook deferred the
 step's builds (``handoff.StepHandoff.resolve``), the first guarded op of the
-step makes their rows, for every group at once, before anything else. On CUDA the first guarded op
-of a step zeroes the fresh slots of every GDN layer that shares its
-metadata, in one launch; the others skip. Where the step's new rows are
-vLLM's decode rows, that launch covers every group the hook joined
+step makes their rows, for every group at once, before anything else. On
+CUDA the first guarded op of a step zeroes the fresh slots of every GDN layer
+that shares its metadata, in one launch; the others skip. Where the step's
+new rows are vLLM's decode rows, that launch covers every group the hook joined
 (``handoff.JointZeroing``): one launch per step, not per group. Where the
 step guard owns the group (``step_guard``), the slots were zeroed at build
 time and the op guard does nothing.
