@@ -11,17 +11,24 @@ import torch._inductor.config  # noqa: E402
 
 from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
-# Every engine compiles from scratch so that the pass really runs (and writes
-# its report) in each: a cache hit would reuse a graph the pass saw earlier.
-# Engines are subprocesses and inherit the environment (read there at import);
-# in this process the config is already loaded, so it is switched off directly.
-# The variables are set after torch's import on purpose: TORCHINDUCTOR_FX_GRAPH_CACHE
-# would otherwise force the cache off even where a test turns it on explicitly.
-os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
-os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
-os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
-torch._inductor.config.fx_graph_cache = False
-torch._functorch.config.enable_autograd_cache = False
+
+
+def pytest_configure(config):
+    """Every engine compiles from scratch so that the pass really runs (and writes
+    its report) in each: a cache hit would reuse a graph the pass saw earlier.
+    Engines are subprocesses and inherit the environment (read there at import);
+    in this process the config is already loaded, so it is switched off directly.
+    The variables are set after torch's import on purpose: TORCHINDUCTOR_FX_GRAPH_CACHE
+    would otherwise force the cache off even where a test turns it on explicitly
+    (test_graph_cache). Not in pytest-xdist's controller: its workers would inherit
+    them before their own torch import (each worker sets them itself)."""
+    if getattr(config.option, "numprocesses", None) and "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "0")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "0")
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
 
 
 # Stand-in GDN core ops that some test modules define in the vllm namespace
