@@ -86,9 +86,9 @@ class StepHandoff:
     rows are then not known yet: ``resolve(metadata, capturing)`` makes them
     and attaches the step's real hand-off (``resolve_deferred`` does it for
     every deferred build of the step at once, so that one launch still zeroes
-    them all). A
-    FULL CUDA graph's replay runs no guarded op's Python: its captured launch
-    reads vLLM's own tensors, and the step's rows are never made on the host.
+    them all). A FULL CUDA graph's replay runs no guarded op's Python: its
+    captured launch reads vLLM's own tensors, and the step's rows are never
+    made on the host.
     """
 
     rows: StagedRowMetadata
@@ -297,11 +297,11 @@ def captured_staged_rows() -> bool:
     return _staged_capture[0]
 
 
-def handoff_of(metadata, *, capturing: bool = False) -> StepHandoff | None:
+def handoff_of(metadata) -> StepHandoff | None:
     """The hand-off the metadata hook attached to ``metadata``; None where it attached none
     (pass not configured, plugin not installed, or the builder's entry stood down). A deferred
     build's is resolved first (``resolve_deferred``): whoever reads it gets the step's rows."""
     handoff = getattr(metadata, ATTR, None)
     if handoff is not None and handoff.resolve is not None:
-        return resolve_deferred(metadata, capturing=capturing)
+        return resolve_deferred(metadata)
     return handoff

@@ -258,14 +258,15 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
     ``inputs``: the build's ``(common_attn_metadata, num_decode_draft_tokens_cpu)`` where the caller
     has read them already (``compat.step_inputs``)."""
     deferred = state.deferred
-    # A step with a prompt row (max_query_len over 1) replays no FULL decode graph in vLLM's runners:
-    # its guarded ops run, and deferring would only move its check into them.
-    common = kwargs.get("common_attn_metadata")
-    if deferred is not None and common is not None and common.max_query_len <= 1 and not captured_staged_rows():
-        if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
-            _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
-        setattr(metadata, _BUILD_INPUTS, (args, kwargs))
-        return defer(metadata, deferred)
+    if deferred is not None:
+        # A step with a prompt row (max_query_len over 1) replays no FULL decode graph in vLLM's
+        # runners: its guarded ops run, and deferring would only move its check into them.
+        common = kwargs.get("common_attn_metadata")
+        if common is not None and common.max_query_len <= 1 and not captured_staged_rows():
+            if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
+                _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
+            setattr(metadata, _BUILD_INPUTS, (args, kwargs))
+            return defer(metadata, deferred)
     return _check_step(builder, state, original_build, args, kwargs, metadata, inputs)
 
 
