@@ -9,7 +9,8 @@
         state = gdn_pass.gated_gather(cache, slots, keep)  # masked load: fresh/padding rows read 0
         ...
         fv    = argmax(valid[:B])                         # first real row
-        put   = aten.index_put.default(cache, [where(valid, slots, slots[fv])],
+        to    = where(any(valid[:B]), slots[fv], 0)        # slot 0 where no row is real
+        put   = aten.index_put.default(cache, [where(valid, slots, to)],
                                        where(valid, new, new[fv]))
 
 Padding rows never write a live slot. With a scratch slot (a slot the engine
@@ -17,8 +18,9 @@ never hands out, like vLLM's null block) their writes are redirected there:
 ``index_put(cache, [where(valid, slots, scratch)], new)``, pointwise and fused
 like the original. Without one, as drawn above, they write the first real
 row's value to that row's slot: the duplicate is byte-identical, so no slot
-changes and no write goes through a sentinel index. (A batch with no real row
-at all then writes each target slot's current value back to it.)
+changes and no write goes through a sentinel index. A batch with no real row
+at all (a CUDA graph's capture runs one) targets slot 0 instead and writes its
+current value back to it: no read or write goes outside the cache.
 
 The staged buffers enter the graph as constants held by reference, so one
 compiled or captured graph reads whatever ``StagedRowMetadata.stage`` last
@@ -121,9 +123,14 @@ class GateBuilder:
             first = self.call(aten.argmax.default, self.call(
                 torch.ops.prims.convert_element_type.default, valid, torch.int32))
             first = self.call(aten.unsqueeze.default, first, 0)
-            slots = self.call(aten.where.self, valid, index, self.call(aten.index.Tensor, index, [first]))
-            first_value = self.call(aten.index.Tensor, values, [first])
             any_valid = self.call(aten.any.default, valid)
+            # A batch with no real row (a CUDA graph's capture and warm-up run one) has no real
+            # slot to fold onto: index[first] is then a padding row's sentinel (-1), which the
+            # masked load below does not wrap. Slot 0 stands in: read and written back unchanged.
+            target = self.call(aten.where.ScalarOther, any_valid,
+                               self.call(aten.index.Tensor, index, [first]), 0)
+            slots = self.call(aten.where.self, valid, index, target)
+            first_value = self.call(aten.index.Tensor, values, [first])
             # Only a batch with no real row loads the target's current value.
             none_valid = self.call(aten.logical_not.default,
                                    self.call(aten.logical_or.default, valid, any_valid))

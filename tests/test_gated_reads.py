@@ -102,6 +102,35 @@ def test_where_fallback_also_passes_the_oracle():
     assert "where after a gather" in gdn_pass.reports()[-1].reads[0].reason
 
 
+@pytest.mark.parametrize("masked_load", [True, False], ids=["masked_load", "where"])
+@pytest.mark.parametrize("scratch_slot", [True, False], ids=["scratch", "fold"])
+@pytest.mark.parametrize("pad_slot_id", [-1, 0], ids=["pad-1", "pad0"])
+def test_a_batch_of_padding_alone_reads_and_writes_only_slots(pad_slot_id, scratch_slot, masked_load):
+    """A batch with no real row (what a CUDA graph's capture and its warm-up run) changes no slot
+    but the scratch slot, and reads nothing outside the caches. Each cache is a view one row into
+    a larger buffer whose first row holds a marker: a read through the sentinel -1 left unwrapped
+    would read it, and a write of it anywhere would show."""
+    guarded, _ = runners(torch.float32, pad_slot_id, masked_load=masked_load, scratch_slot=scratch_slot)
+    gen = torch.Generator().manual_seed(3)
+    caches = []
+    for name in ("conv", "ssm"):
+        cache = getattr(guarded, name)
+        backing = torch.full((cache.shape[0] + 1, *cache.shape[1:]), 777.0, dtype=cache.dtype)
+        view = backing[1:]
+        view.copy_(torch.randn(cache.shape, generator=gen))
+        setattr(guarded, name, view)
+        caches.append((backing, view.clone()))
+    batch = make_batch([], pad_to=4, chunk=1, hidden=SMALL.hidden, pad_slot_id=pad_slot_id, generator=gen)
+    guarded.step(batch)
+    scratch = guarded.rows.scratch_slot
+    for backing, before in caches:
+        assert torch.equal(backing[0], torch.full_like(backing[0], 777.0))
+        after = backing[1:]
+        changed = [slot for slot in range(NUM_SLOTS) if not torch.equal(after[slot], before[slot])]
+        assert changed in ([], [scratch]), changed
+        assert not (after == 777.0).any(), "a read outside the cache was written into it"
+
+
 def kernels(code: str) -> list[str]:
     return [line for line in code.splitlines() if "async_compile.cpp_pybinding" in line]
 
