@@ -293,6 +293,54 @@ def idle_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, flo
     return {name: round(us, 2) for name, us in spent.items()}
 
 
+def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, float]:
+    """Where a deferred step without new rows spends the hook's time, line by line, in us (each
+    piece alone, best of 5 runs of ``number`` calls), as ``metadata_hook._guard_step`` runs a build
+    it defers, and what the step's first guarded op adds when it resolves every group's deferred
+    build (``handoff.resolve_deferred``; a replayed FULL graph's step runs no guarded op and skips
+    it). Empty where the builders do not defer (not the op guard's groups on the CUDA path in an
+    engine that captures FULL graphs: ``--cuda-path-on-cpu`` or CUDA)."""
+    import timeit
+
+    from gdn_pass.vllm import handoff, metadata_hook, rows
+
+    states = [metadata_hook.state_of(b) for b in builders]
+    if any(state.deferred is None for state in states):
+        return {}
+    builder, state = builders[-1], states[-1]
+    plain = type(builder).build.__wrapped__
+    base = steps.common()
+    calls = [dict(common_prefix_len=0, common_attn_metadata=copy.copy(base)) for _ in builders]
+    metadata = [plain(b, **kwargs) for b, kwargs in zip(builders, calls)]
+    kwargs, last = calls[-1], metadata[-1]
+
+    def best(fn) -> float:
+        return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
+
+    def defer_all():  # the step's builds, each deferred; the step's check is made again (a new step)
+        rows._last_idle_key[0] = None
+        for b, s, c, m in zip(builders, states, calls, metadata):
+            metadata_hook._guard_step(b, s, plain, (), c, m)
+
+    def defer_and_resolve():
+        defer_all()
+        handoff.resolve_deferred(metadata[0])
+
+    spent = {
+        "_guard_step, a deferred build (the whole path)": best(
+            lambda: metadata_hook._guard_step(builder, state, plain, (), kwargs, last)),
+        "  max_query_len <= 1 (a decode step)": best(lambda: kwargs.get("common_attn_metadata").max_query_len <= 1),
+        "  captured_staged_rows()": best(handoff.captured_staged_rows),
+        "  the group's caches unchanged (identity)": best(
+            lambda: getattr(state.forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache),
+        "  setattr of the build's inputs": best(lambda: setattr(last, metadata_hook._BUILD_INPUTS, ((), kwargs))),
+        "  defer: weak reference, note, attach": best(lambda: handoff.defer(last, state.deferred)),
+        f"the step's first guarded op: resolve_deferred, {len(builders)} groups, no new row": (
+            best(defer_and_resolve) - best(defer_all)) if number else 0.0,
+    }
+    return {name: round(us, 2) for name, us in spent.items()}
+
+
 def fresh_breakdown(builders, steps: Steps, number: int = 5000) -> dict[str, float]:
     """Where a step with a fresh row spends the hook's time at build, line by line, in us: each
     piece timed alone (best of 5 runs of ``number`` calls) on a later build of the step (its rows
@@ -373,7 +421,8 @@ def main():
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--breakdown", action="store_true",
                     help="also time each line of the hook's path alone: the short path of a step without "
-                         "new rows, and the build-time path of a step with one fresh row")
+                         "new rows, a deferred build's path and its resolve (where builds are deferred), and "
+                         "the build-time path of a step with one fresh row")
     ap.add_argument("--forward", action="store_true",
                     help="with the hook, also run every layer's guarded op (the op guard) each step, as a "
                          "compiled engine's piecewise forward does: a step with fresh rows makes its zeroing "
@@ -424,11 +473,14 @@ def main():
             row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    breakdown, fresh_lines = {}, {}
+    breakdown, fresh_lines, deferred_lines = {}, {}, {}
     if args.breakdown:
         breakdown = idle_breakdown(builders, Steps(max(args.batches), 0, device,
                                                    inference=args.inference_host_tensors))
         print(json.dumps(breakdown, indent=1), flush=True)
+        deferred_lines = deferred_breakdown(builders, Steps(max(args.batches), 0, device,
+                                                            inference=args.inference_host_tensors))
+        print(json.dumps(deferred_lines, indent=1), flush=True)
         fresh_lines = fresh_breakdown(builders, Steps(8, 1, device, inference=args.inference_host_tensors))
         print(json.dumps(fresh_lines, indent=1), flush=True)
     import vllm
@@ -441,7 +493,7 @@ def main():
                   cuda_path_on_cpu=args.cuda_path_on_cpu,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown,
-                  fresh_breakdown_us=fresh_lines)
+                  deferred_breakdown_us=deferred_lines, fresh_breakdown_us=fresh_lines)
     table = [f"{args.groups} {'GDN' if args.builder == 'gdn' else 'Bailing (Lightning)'} builders x "
              f"{args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}"
@@ -459,6 +511,10 @@ def main():
     if breakdown:
         table += ["", f"A step without new rows (B = {max(args.batches)}), each line alone, us:", "",
                   "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in breakdown.items()]
+    if deferred_lines:
+        table += ["", f"A deferred step without new rows (B = {max(args.batches)}), each line alone, us "
+                  "(a replayed FULL graph's step pays the builds' lines only):", "",
+                  "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in deferred_lines.items()]
     if fresh_lines:
         table += ["", "A step with one fresh row (B = 8), a later build, each line alone, us "
                   f"({'vLLM decode rows, nothing staged' if any('decode_rows' in k for k in fresh_lines) else 'no cache table: rows staged'}):", "",
