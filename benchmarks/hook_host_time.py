@@ -335,8 +335,8 @@ def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str,
             lambda: getattr(state.forward_context.get(state.first_name), "kv_cache", None) is state.first_kv_cache),
         "  setattr of the build's inputs": best(lambda: setattr(last, metadata_hook._BUILD_INPUTS, ((), kwargs))),
         "  defer: weak reference, note, attach": best(lambda: handoff.defer(last, state.deferred)),
-        f"the step's first guarded op: resolve_deferred, {len(builders)} groups, no new row": (
-            best(defer_and_resolve) - best(defer_all)) if number else 0.0,
+        f"the step's first guarded op: resolve_deferred, {len(builders)} groups, no new row":
+            best(defer_and_resolve) - best(defer_all),
     }
     return {name: round(us, 2) for name, us in spent.items()}
 
