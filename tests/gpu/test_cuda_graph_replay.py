@@ -107,6 +107,32 @@ class _WithCaches(torch.nn.Module):
         return self.layer(hidden, self.conv, self.ssm, slots)
 
 
+@pytest.mark.parametrize("scratch_slot", [False, True], ids=["fold", "scratch"])
+def test_capture_reads_and_writes_no_row_outside_the_caches(scratch_slot):
+    """A capture compiles, warms up and records a batch of padding alone (sentinel -1). Each cache
+    here is a view one row into a larger buffer whose first row holds a marker: a load through the
+    sentinel left unwrapped reads it (elsewhere in memory, at times an illegal memory access), and
+    its write-back lands it in a slot. Before b533816 the fold (no scratch slot) did both."""
+    runner = GDNRunner(layer_for("torch"), num_slots=NUM_SLOTS, max_batch=max(CAPTURE_SIZES),
+                       pad_slot_id=-1, device="cuda", scratch_slot=scratch_slot)
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    caches = []
+    for name in ("conv", "ssm"):
+        cache = getattr(runner, name)
+        backing = torch.full((cache.shape[0] + 1, *cache.shape[1:]), 777.0, dtype=cache.dtype, device="cuda")
+        backing[1:].copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
+        setattr(runner, name, backing[1:])
+        caches.append((backing, backing[1:].clone()))
+    for size in (1, 8):
+        runner.capture(size)
+    torch.cuda.synchronize()
+    for backing, before in caches:
+        assert bool((backing[0] == 777.0).all())
+        changed = (backing[1:] != before).flatten(1).any(1).nonzero().flatten().tolist()
+        assert changed in ([], [runner.rows.scratch_slot]), changed
+        assert not bool((backing[1:] == 777.0).any()), "a row outside the cache was written into it"
+
+
 def test_reduce_overhead_mode(same_reduction_configs):
     layer = layer_for("torch")
     model = _WithCaches(layer)
