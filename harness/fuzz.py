@@ -162,21 +162,32 @@ _COMMON_ENGINE = dict(
 MTP_REQUESTS_AT_ONCE = 4
 
 
+def blocks_for_mtp_requests(k: int, requests: int) -> int:
+    """KV blocks (the null block included) that hold ``requests`` tiny Qwen3-Next MTP requests at once.
+
+    vLLM's block pool is one for every KV-cache group (``BlockPool`` in its KV-cache coordinator),
+    and a request reserves 1 + k blocks in each mamba group outside ``align`` mode: 1 + k in each
+    of the tiny checkpoint's three GDN groups and one in its attention group. With the scenarios'
+    9 blocks vLLM 0.26 ran the MTP family scenario's requests one at a time (H100, dcb1bdb: R2 and
+    R3 never shared a step).
+    """
+    return 1 + requests * (1 + 3 * (1 + k))
+
+
 def mtp_blocks(k: int, requests: int) -> int | None:
-    """KV blocks for ``requests`` tiny Qwen3-Next MTP requests at once where 8 hold only one, else None.
+    """The GDN MTP stream's blocks, ``blocks_for_mtp_requests``, where the common 8 hold only one; else None.
 
     vLLM 0.34 (whose KV planning lives in ``vllm.v1.core.kv_cache_planning``) holds
-    ``num_gpu_blocks_override`` against one request's whole reservation: 1 + k blocks in each
-    of the tiny Qwen3-Next's three GDN groups and one in its attention group, beside the null
-    block. With 9 blocks (8 usable) it refused to start with k = 2 ("0.0 GiB KV cache is needed,
-    which is larger than ...") and with k = 1 never ran a second request beside the first
-    (H100, d027a3a). vLLM 0.26-0.32 plan blocks per group and run several with 8.
+    ``num_gpu_blocks_override`` against one request's whole reservation: with 9 blocks (8
+    usable) it refused to start with k = 2 ("0.0 GiB KV cache is needed, which is larger than
+    ...") and with k = 1 never ran a second request beside the first (H100, d027a3a). The
+    stream keeps the common 8 on earlier releases, as recorded there.
     """
     import importlib.util
 
     if importlib.util.find_spec("vllm.v1.core.kv_cache_planning") is None:
         return None
-    return 1 + requests * (1 + 3 * (1 + k))
+    return blocks_for_mtp_requests(k, requests)
 
 
 def engine_settings(config: str) -> dict:
