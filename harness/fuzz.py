@@ -156,46 +156,32 @@ _COMMON_ENGINE = dict(
 )
 
 
-# Tiny Qwen3-Next MTP requests the GDN MTP stream can hold at once where vLLM holds the KV pool
-# against whole speculative reservations (mtp_blocks): with the common 8 blocks vLLM 0.34 ran
-# the 40-request stream one request at a time (951 speculating rows in 951 steps, H100).
+# Tiny Qwen3-Next MTP requests the GDN MTP stream holds at once (mtp_blocks): with the common 8
+# blocks vLLM ran the 40-request stream one request at a time (0.34: 951 speculating rows in 951
+# steps, H100; 0.26 at 49e3d43: 951 decode rows in 1,044 steps).
 MTP_REQUESTS_AT_ONCE = 4
 
 
-def blocks_for_mtp_requests(k: int, requests: int) -> int:
+def mtp_blocks(k: int, requests: int) -> int:
     """KV blocks (the null block included) that hold ``requests`` tiny Qwen3-Next MTP requests at once.
 
-    vLLM's block pool is one for every KV-cache group (``BlockPool`` in its KV-cache coordinator),
-    and a request reserves 1 + k blocks in each mamba group outside ``align`` mode: 1 + k in each
-    of the tiny checkpoint's three GDN groups and one in its attention group. With the scenarios'
-    9 blocks vLLM 0.26 ran the MTP family scenario's requests one at a time (H100, dcb1bdb: R2 and
-    R3 never shared a step).
+    vLLM's block pool is one for every KV-cache group (the ``BlockPool`` of its KV-cache
+    coordinator, 0.26 and 0.34 alike), and outside ``align`` mode a request reserves 1 + k
+    blocks in each mamba group: 1 + k in each of the tiny checkpoint's three GDN groups and one
+    in its attention group. With fewer, requests run one at a time: the GDN MTP stream with 8
+    blocks (0.26 and 0.34), the MTP family scenario with 9 on 0.26 (R3 after R2, never beside
+    it: the `clean` R3 of d997bf1 equals its pass-off R3, both on R2's freed blocks). vLLM 0.34
+    also refuses to start with 9 blocks at k = 2 ("0.0 GiB KV cache is needed, which is larger
+    than ...", H100, d027a3a).
     """
     return 1 + requests * (1 + 3 * (1 + k))
-
-
-def mtp_blocks(k: int, requests: int) -> int | None:
-    """The GDN MTP stream's blocks, ``blocks_for_mtp_requests``, where the common 8 hold only one; else None.
-
-    vLLM 0.34 (whose KV planning lives in ``vllm.v1.core.kv_cache_planning``) holds
-    ``num_gpu_blocks_override`` against one request's whole reservation: with 9 blocks (8
-    usable) it refused to start with k = 2 ("0.0 GiB KV cache is needed, which is larger than
-    ...") and with k = 1 never ran a second request beside the first (H100, d027a3a). The
-    stream keeps the common 8 on earlier releases, as recorded there.
-    """
-    import importlib.util
-
-    if importlib.util.find_spec("vllm.v1.core.kv_cache_planning") is None:
-        return None
-    return blocks_for_mtp_requests(k, requests)
 
 
 def engine_settings(config: str) -> dict:
     settings = {**_COMMON_ENGINE, **ENGINE_CONFIGS[config]}
     if config == "mtp":  # the tiny Qwen3-Next's three GDN groups (mtp_blocks)
-        blocks = mtp_blocks(settings["speculative_config"]["num_speculative_tokens"], MTP_REQUESTS_AT_ONCE)
-        if blocks is not None:
-            settings["num_gpu_blocks_override"] = blocks
+        settings["num_gpu_blocks_override"] = mtp_blocks(
+            settings["speculative_config"]["num_speculative_tokens"], MTP_REQUESTS_AT_ONCE)
     return settings
 
 

@@ -42,7 +42,7 @@ vllm = pytest.importorskip("vllm", reason="vLLM is not importable (see ../shared
 from harness.coverage import record  # noqa: E402
 from gdn_pass.checker.demo import compare  # noqa: E402
 from harness.families import FAMILY_ENGINE_ARGS, kind_for_vllm  # noqa: E402
-from harness.fuzz import blocks_for_mtp_requests  # noqa: E402
+from harness.fuzz import mtp_blocks  # noqa: E402
 from harness.tiny_checkpoints import CHECKPOINTS, write_checkpoint  # noqa: E402
 from vllm_engines import LOGPROB_TOL, scenario, vllm_reroutes_fresh_rows  # noqa: E402
 
@@ -89,8 +89,7 @@ def _arguments(kind: str, mode: str) -> list[str]:
         args += ["--engine-arg", f"speculative_config={json.dumps(spec)}"]
         # Room for exactly R1 and R2 on every release: R1's blocks are the only free ones when R3
         # arrives, and R3 runs beside R2 (with the scenarios' 9 blocks, one request at a time).
-        blocks = blocks_for_mtp_requests(SPEC_MODES[mode], 2)
-        args += ["--engine-arg", f"num_gpu_blocks_override={blocks}"]
+        args += ["--engine-arg", f"num_gpu_blocks_override={mtp_blocks(SPEC_MODES[mode], 2)}"]
     else:
         args += list(MODES[mode][1])
     return args

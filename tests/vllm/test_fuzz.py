@@ -35,27 +35,17 @@ def test_zeroed_reference_engine_equals_a_fresh_engine(engine_dir, qwen3_next_ch
     assert max(abs(a - b) for a, b in zip(got["logprobs"], fresh["logprobs"])) <= 1e-4
 
 
-@pytest.mark.parametrize("whole_reservations", [False, True])
-def test_the_gdn_mtp_stream_has_room_for_several_requests(monkeypatch, whole_reservations):
-    """Where vLLM holds the pool against whole speculative reservations (0.34's KV planning), the
-    GDN MTP stream gets blocks for MTP_REQUESTS_AT_ONCE requests: one request's reservation is 1 + k
-    blocks per GDN layer's group and one for the attention layer (the tiny checkpoint's layer
-    types), plus the null block. Elsewhere, and for the other configurations, the common 8."""
-    import importlib.util
-
+def test_the_gdn_mtp_stream_has_room_for_several_requests():
+    """The GDN MTP stream gets blocks for MTP_REQUESTS_AT_ONCE requests on every release: one
+    request's reservation is 1 + k blocks per GDN layer's group and one for the attention layer
+    (the tiny checkpoint's layer types), plus the null block. The other configurations keep 8."""
     from harness.tiny_checkpoints import CHECKPOINTS
 
-    find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: (
-        object() if whole_reservations and name == "vllm.v1.core.kv_cache_planning" else find_spec(name, *args)))
     settings = fz.engine_settings("mtp")
     k = settings["speculative_config"]["num_speculative_tokens"]
     layer_types = CHECKPOINTS[fz.CONFIG_CHECKPOINT["mtp"]][0]["layer_types"]
     reservation = layer_types.count("linear_attention") * (1 + k) + layer_types.count("full_attention")
-    if whole_reservations:
-        assert settings["num_gpu_blocks_override"] - 1 == fz.MTP_REQUESTS_AT_ONCE * reservation > 8
-    else:
-        assert settings["num_gpu_blocks_override"] == 8
+    assert settings["num_gpu_blocks_override"] - 1 == fz.MTP_REQUESTS_AT_ONCE * reservation > 8
     for config in ("bailing_linear_mtp", "no_prefix_caching"):
         assert fz.engine_settings(config)["num_gpu_blocks_override"] == 8
 
