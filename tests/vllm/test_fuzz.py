@@ -10,8 +10,11 @@ the first (384-token blocks, longer than its prompts).
 """
 
 import json
+import os
+import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -36,18 +39,35 @@ def test_zeroed_reference_engine_equals_a_fresh_engine(engine_dir, qwen3_next_ch
 
 
 def test_the_gdn_mtp_stream_has_room_for_several_requests():
-    """The GDN MTP stream gets blocks for MTP_REQUESTS_AT_ONCE requests on every release: one
-    request's reservation is 1 + k blocks per GDN layer's group and one for the attention layer
-    (the tiny checkpoint's layer types), plus the null block. The other configurations keep 8."""
-    from harness.tiny_checkpoints import CHECKPOINTS
-
+    """The GDN MTP stream gets blocks for MTP_REQUESTS_AT_ONCE requests on every release (what they
+    hold: test_mtp_blocks_admit_exactly_the_requests_asked); the other configurations keep 8."""
     settings = fz.engine_settings("mtp")
     k = settings["speculative_config"]["num_speculative_tokens"]
-    layer_types = CHECKPOINTS[fz.CONFIG_CHECKPOINT["mtp"]][0]["layer_types"]
-    reservation = layer_types.count("linear_attention") * (1 + k) + layer_types.count("full_attention")
-    assert settings["num_gpu_blocks_override"] - 1 == fz.MTP_REQUESTS_AT_ONCE * reservation > 8
+    assert settings["num_gpu_blocks_override"] == fz.mtp_blocks(k, fz.MTP_REQUESTS_AT_ONCE) > 8
     for config in ("bailing_linear_mtp", "no_prefix_caching"):
         assert fz.engine_settings(config)["num_gpu_blocks_override"] == 8
+
+
+@pytest.mark.parametrize("release", ["0.30", "0.27", "0.32"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_mtp_blocks_admit_exactly_the_requests_asked(engine_dir, release_python, release, k):
+    """vLLM's own scheduler, in a tiny MTP engine built on CPU and asked for one step, admits R1 and
+    R2 at once with ``mtp_blocks(k, 2)`` blocks and only R1 with one block fewer: in the GPU family
+    scenario R3 then runs beside R2 on R1's freed blocks, and no never-used block is left for it."""
+    python = sys.executable if release == "0.30" else release_python(release)
+    model = write_checkpoint("qwen3_next_mtp", engine_dir / "tiny_qwen3_next_mtp_admission", seed=0)
+    blocks = fz.mtp_blocks(k, 2)
+    admitted = {}
+    for n in (blocks - 1, blocks):
+        run = subprocess.run([python, str(Path(__file__).with_name("mtp_admission.py")), str(model), str(n),
+                              str(k)], capture_output=True, text=True, timeout=600,
+                             env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+        lines = [ln for ln in run.stdout.splitlines() if ln.startswith('{"admitted"')]
+        assert run.returncode == 0 and lines, run.stderr[-3000:]
+        result = json.loads(lines[-1])
+        assert result["vllm"].startswith(release), result
+        admitted[n] = result["admitted"]
+    assert admitted == {blocks - 1: 1, blocks: 2}
 
 
 def test_stream_is_seeded_and_hits_the_trigger_often():
