@@ -475,11 +475,10 @@ def main():
         print(json.dumps(row), flush=True)
     breakdown, fresh_lines, deferred_lines = {}, {}, {}
     if args.breakdown:
-        breakdown = idle_breakdown(builders, Steps(max(args.batches), 0, device,
-                                                   inference=args.inference_host_tensors))
+        idle_steps = Steps(max(args.batches), 0, device, inference=args.inference_host_tensors)
+        breakdown = idle_breakdown(builders, idle_steps)
         print(json.dumps(breakdown, indent=1), flush=True)
-        deferred_lines = deferred_breakdown(builders, Steps(max(args.batches), 0, device,
-                                                            inference=args.inference_host_tensors))
+        deferred_lines = deferred_breakdown(builders, idle_steps)
         print(json.dumps(deferred_lines, indent=1), flush=True)
         fresh_lines = fresh_breakdown(builders, Steps(8, 1, device, inference=args.inference_host_tensors))
         print(json.dumps(fresh_lines, indent=1), flush=True)

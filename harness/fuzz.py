@@ -165,8 +165,8 @@ MTP_REQUESTS_AT_ONCE = 4
 def mtp_blocks(k: int, requests: int) -> int:
     """KV blocks (the null block included) that hold ``requests`` tiny MTP requests at once, and no more.
 
-    For the tiny Qwen3-Next and Qwen3.5 MTP checkpoints: three GDN layers, one full-attention layer
-    and the drafter's attention layer. vLLM's block pool is one for every KV-cache group, and it
+    For the tiny Qwen3-Next MTP checkpoint (the Qwen3.5 one has its layers): three GDN layers, one
+    full-attention layer and the drafter's attention layer. vLLM's block pool is one for every KV-cache group, and it
     makes groups of one size, the fewest layers of one kind (here the two attention layers): two
     GDN groups and one attention group. Outside ``align`` mode a request reserves 1 + k blocks in
     each GDN group and, being shorter than a block, one in the attention group. The schedulers of
@@ -175,10 +175,13 @@ def mtp_blocks(k: int, requests: int) -> int:
     requests one at a time on the GPU (R3 after R2: the `clean` R3 of d997bf1 equals its pass-off
     R3, both on R2's freed blocks), as it did the GDN MTP stream with 8 (0.26 and 0.34).
     """
-    gdn_layers, attention_layers = 3, 1 + 1  # the drafter's layer has attention
-    group_size = min(gdn_layers, attention_layers)
-    gdn_groups, attention_groups = -(-gdn_layers // group_size), -(-attention_layers // group_size)
-    return 1 + requests * (gdn_groups * (1 + k) + attention_groups)
+    from harness.tiny_checkpoints import CHECKPOINTS
+
+    config = CHECKPOINTS[CONFIG_CHECKPOINT["mtp"]][0]
+    gdn = config["layer_types"].count("linear_attention")
+    attention = config["layer_types"].count("full_attention") + config["num_nextn_predict_layers"]
+    size = min(gdn, attention)
+    return 1 + requests * (-(-gdn // size) * (1 + k) + -(-attention // size))
 
 
 def engine_settings(config: str) -> dict:

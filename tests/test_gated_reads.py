@@ -16,6 +16,7 @@ import gdn_pass
 from gdn_pass.checker.gdn_runner import GDNRunner, make_batch
 from gdn_pass.checker.poison_oracle import check, poison_caches
 from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
+from tests.marker_caches import assert_only_slots_changed, behind_a_marker
 
 SMALL = GDNShape(hidden=64, num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16)
 NUM_SLOTS = 24
@@ -112,23 +113,10 @@ def test_a_batch_of_padding_alone_reads_and_writes_only_slots(pad_slot_id, scrat
     would read it, and a write of it anywhere would show."""
     guarded, _ = runners(torch.float32, pad_slot_id, masked_load=masked_load, scratch_slot=scratch_slot)
     gen = torch.Generator().manual_seed(3)
-    caches = []
-    for name in ("conv", "ssm"):
-        cache = getattr(guarded, name)
-        backing = torch.full((cache.shape[0] + 1, *cache.shape[1:]), 777.0, dtype=cache.dtype)
-        view = backing[1:]
-        view.copy_(torch.randn(cache.shape, generator=gen))
-        setattr(guarded, name, view)
-        caches.append((backing, view.clone()))
+    caches = behind_a_marker(guarded, ("conv", "ssm"), gen)
     batch = make_batch([], pad_to=4, chunk=1, hidden=SMALL.hidden, pad_slot_id=pad_slot_id, generator=gen)
     guarded.step(batch)
-    scratch = guarded.rows.scratch_slot
-    for backing, before in caches:
-        assert torch.equal(backing[0], torch.full_like(backing[0], 777.0))
-        after = backing[1:]
-        changed = [slot for slot in range(NUM_SLOTS) if not torch.equal(after[slot], before[slot])]
-        assert changed in ([], [scratch]), changed
-        assert not (after == 777.0).any(), "a read outside the cache was written into it"
+    assert_only_slots_changed(caches, [guarded.rows.scratch_slot])
 
 
 def kernels(code: str) -> list[str]:

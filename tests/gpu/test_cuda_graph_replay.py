@@ -16,6 +16,7 @@ import gdn_pass
 from gdn_pass.checker.gdn_runner import GDNRunner, make_batch
 from gdn_pass.checker.poison_oracle import check_result, poison_caches
 from gdn_pass.checker.torch_gdn import GDNShape, TorchGDNLayer
+from tests.marker_caches import assert_only_slots_changed, behind_a_marker
 
 SHAPE = GDNShape(hidden=256, num_k_heads=2, num_v_heads=4, head_k_dim=64, head_v_dim=64)
 NUM_SLOTS = 1024
@@ -115,22 +116,11 @@ def test_capture_reads_and_writes_no_row_outside_the_caches(scratch_slot):
     its write-back lands it in a slot. Before b533816 the fold (no scratch slot) did both."""
     runner = GDNRunner(layer_for("torch"), num_slots=NUM_SLOTS, max_batch=max(CAPTURE_SIZES),
                        pad_slot_id=-1, device="cuda", scratch_slot=scratch_slot)
-    gen = torch.Generator(device="cuda").manual_seed(5)
-    caches = []
-    for name in ("conv", "ssm"):
-        cache = getattr(runner, name)
-        backing = torch.full((cache.shape[0] + 1, *cache.shape[1:]), 777.0, dtype=cache.dtype, device="cuda")
-        backing[1:].copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
-        setattr(runner, name, backing[1:])
-        caches.append((backing, backing[1:].clone()))
+    caches = behind_a_marker(runner, ("conv", "ssm"), torch.Generator(device="cuda").manual_seed(5))
     for size in (1, 8):
         runner.capture(size)
     torch.cuda.synchronize()
-    for backing, before in caches:
-        assert bool((backing[0] == 777.0).all())
-        changed = (backing[1:] != before).flatten(1).any(1).nonzero().flatten().tolist()
-        assert changed in ([], [runner.rows.scratch_slot]), changed
-        assert not bool((backing[1:] == 777.0).any()), "a row outside the cache was written into it"
+    assert_only_slots_changed(caches, [runner.rows.scratch_slot])
 
 
 def test_reduce_overhead_mode(same_reduction_configs):
