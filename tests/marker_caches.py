@@ -2,7 +2,7 @@
 
 ``behind_a_marker`` makes each named cache of a runner a view one row into a larger buffer
 whose first row holds ``MARKER``: a load through a sentinel index (-1) left unwrapped reads
-that row, and its write-back lands the marker in a slot. ``outside_rows_touched`` says what
+that row, and its write-back lands the marker in a slot. ``assert_only_slots_changed`` checks what
 happened. Shared by ``tests/test_gated_reads.py`` (CPU) and ``tests/gpu/test_cuda_graph_replay.py``.
 """
 
