@@ -121,6 +121,38 @@ def test_fresh_row_padded_into_a_speculative_row_is_fresh():
     assert fresh == 1
 
 
+@pytest.mark.parametrize("host_counts", [True, False])
+def test_padded_speculative_full_graph_step(host_counts):
+    """A FULL graph's padded speculative step (vLLM 0.26-0.33's GDN builder, every row
+    speculating): three rows of 1 + 1 tokens padded to the captured batch of four. The
+    padding row has no tokens and no drafts, is not a speculative row in the mask, and
+    still has a row of ``spec_state_indices_tensor`` (filled with the null block) after
+    the real ones; there are no non-speculative slots. Row 1 is new."""
+    null = compat.pad_slot_ids()[-1]
+    rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
+    common = common_metadata([40, 0, 17], [2, 2, 2], pad_to=4)
+    draft_counts = torch.tensor([1, 1, 1, -1]) if host_counts else None
+    fresh = stage_all(
+        rows, common,
+        gdn_metadata(None, spec_mask=[True, True, True, False], spec_slots=[[3, 4], [6, 7], [9, 10], [null, null]],
+                     num_decodes=0),
+        draft_counts)
+    assert rows.num_rows == 3
+    assert rows.state_slot[:3].tolist() == [3, 6, 9]
+    assert rows.has_initial_state[:3].tolist() == [True, False, True]
+    assert rows.fresh_slots().tolist() == [6]
+    assert fresh == 1
+
+
+def test_speculative_slots_beyond_padding_rows_are_an_error():
+    """More speculative slot rows than the step's speculative and padding rows: not vLLM's layout."""
+    rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
+    with pytest.raises(MetadataError, match="state slots for 2 scheduler rows"):
+        stage_all(rows, common_metadata([40, 0], [2, 2]),
+                  gdn_metadata(None, spec_mask=[True, True], spec_slots=[[3, 4], [6, 7], [9, 10]], num_decodes=0),
+                  torch.tensor([1, 1]))
+
+
 def test_row_count_mismatch_is_an_error():
     rows = StagedRowMetadata(8, pad_slot_ids=compat.pad_slot_ids())
     with pytest.raises(MetadataError, match="state slots for 2 scheduler rows"):

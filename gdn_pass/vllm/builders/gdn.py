@@ -63,6 +63,21 @@ def gdn_decode_rows(common, metadata) -> DecodeRows | None:
                     getattr(common, "seq_lens", None), metadata.num_decodes)
 
 
+def _without_padding_rows(spec_slots: torch.Tensor, spec: np.ndarray, query_lens: np.ndarray,
+                          non_spec_slots) -> torch.Tensor:
+    """``spec_slots`` without a FULL graph's padding rows. On a padded step where every row
+    speculates, vLLM's builder (0.26-0.33) keeps a row of speculative slots per row of the
+    padded batch (``num_reqs``, padding included), filled with the null block after the real
+    rows; the padding rows have no tokens and no drafts, so they are not speculative rows
+    here. Those trailing rows only are dropped: any other surplus is left for the row count
+    check to refuse."""
+    num_spec = int(np.count_nonzero(spec))
+    if (spec_slots.shape[0] == spec.size > num_spec and non_spec_slots is None and spec[:num_spec].all()
+            and not np.count_nonzero(query_lens[num_spec:])):
+        return spec_slots[:num_spec]
+    return spec_slots
+
+
 def gdn_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> HostRows:
     """GDN: the non-speculative rows in the order of ``non_spec_state_indices_tensor``
     (the builder's decodes first, then its prefills), then the speculative rows
@@ -89,6 +104,8 @@ def gdn_rows(common, metadata, draft_counts: torch.Tensor | None = None) -> Host
             spec = draft_counts[:num_reqs].cpu().numpy() >= 0
         else:  # a device-to-host copy; vLLM 0.26-0.33 always pass the host counts
             spec = metadata.spec_sequence_masks[:num_reqs].cpu().numpy()
+        if spec_slots is not None:
+            spec_slots = _without_padding_rows(spec_slots, spec, query_lens, non_spec_slots)
         parts = [(query_lens[~spec], computed[~spec], non_spec_slots),
                  (query_lens[spec], computed[spec], None if spec_slots is None else spec_slots[:, 0])]
     lens, done, slots = [], [], []
