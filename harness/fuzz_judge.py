@@ -257,6 +257,26 @@ def mismatched_past(run: dict, ids, position: int) -> set[str]:
             if rid in kept and first_difference(kept[rid]["reference"], kept[rid]["stream"]) > position}
 
 
+def same_mismatch_in_every_stream(summary: dict, guards) -> set[str]:
+    """The requests that every one of ``guards``' streams (``summary["runs"]``) gets wrong in the
+    very same way: the same output tokens, and the same logprobs, exactly, through the first
+    token that differs from their reference (each stream's kept ``mismatched_outputs``). Where
+    pass off, pass on and a clean engine all give one output, the pass changed nothing of it and
+    no stale read made it: the difference from the run alone is vLLM's own."""
+    kept = [summary["runs"][g].get("mismatched_outputs", {}) for g in guards]
+    if not kept:
+        return set()
+
+    def output(outputs: dict, rid: str):
+        got = outputs[rid]
+        return got["stream"], got.get("trail", {}).get("logprobs", {}).get("stream")
+
+    common = set(kept[0]).intersection(*kept[1:])
+    # without the logprobs (a summary kept without trails) the tokens alone do not show it
+    return {rid for rid in common if output(kept[0], rid)[1] is not None
+            and all(output(k, rid) == output(kept[0], rid) for k in kept[1:])}
+
+
 def base_key(r: FuzzRequest, paths: dict[str, str]) -> str:
     """The reference a request's first tokens are judged by: its prompt alone, or, for a
     one-token prompt that vLLM ran through its prefill kernels, the same on that path."""

@@ -524,3 +524,28 @@ def test_mismatched_past_names_requests_right_through_a_token():
     assert mismatched_past(run, {"q1", "q2", "q3", "q4"}, 1) == {"q2"}  # q4: no output kept
     assert mismatched_past(run, {"q1", "q2"}, 0) == {"q1", "q2"}
     assert mismatched_past({}, {"q1"}, 0) == set()
+
+
+def test_same_mismatch_in_every_stream_asks_for_the_same_tokens_and_logprobs():
+    """A request every stream gets wrong alike (pass off, pass on, a clean engine) is vLLM's own
+    difference; one whose output or logprobs differ between the streams is not."""
+    from harness.fuzz_judge import same_mismatch_in_every_stream
+
+    def kept(stream, logprobs, trail=True):
+        out = dict(prompt=[7], stream=stream, reference=[5, 6, 1])
+        if trail:
+            out["trail"] = dict(first_mismatch=1, logprobs=dict(stream=logprobs, reference=[-1.0, -2.0]))
+        return out
+
+    def summary(**runs):
+        return {"runs": {g: {"mismatched_outputs": outputs} for g, outputs in runs.items()}}
+
+    alike = kept([5, 9, 1], [-1.0, -2.5])
+    s = summary(off={"q1": alike, "q2": alike, "q3": alike, "q4": kept([5, 9], [-1.0, -2.5], trail=False)},
+                on={"q1": dict(alike), "q2": kept([5, 9, 2], [-1.0, -2.5]), "q3": kept([5, 9, 1], [-1.0, -2.5001]),
+                    "q4": kept([5, 9], [-1.0, -2.5], trail=False)},
+                clean={"q1": dict(alike), "q2": alike, "q3": alike})
+    # q2: other tokens with the pass; q3: another logprob; q4: no logprobs kept, and not in clean
+    assert same_mismatch_in_every_stream(s, ["off", "on", "clean"]) == {"q1"}
+    assert same_mismatch_in_every_stream(s, ["off", "on"]) == {"q1"}
+    assert same_mismatch_in_every_stream(summary(off={}, on={"q1": alike}), ["off", "on"]) == set()

@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from fuzz_scheduling import GPU_ENGINE, gpu_engine_env  # noqa: E402
 
 from harness import fuzz as fz  # noqa: E402
-from harness.fuzz_judge import footprint_problem, host_noise, mismatched_past  # noqa: E402
+from harness.fuzz_judge import (footprint_problem, host_noise, mismatched_past,  # noqa: E402
+                                same_mismatch_in_every_stream)
 from harness.tiny_checkpoints import write_checkpoint  # noqa: E402
 
 REQUESTS = int(os.environ.get("GDN_PASS_GPU_FUZZ_REQUESTS", "2000"))
@@ -150,18 +151,6 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         padded = set(off["padded_first_steps"])
         assert padded & set(off["mismatched_ids"]), (off["padded_first_steps"], off["examples"])
         assert on["trace"]["plugin"]["steps_zeroed"] > 0, on["trace"]["plugin"]
-        padded_on = set(on["padded_first_steps"]) & set(on["mismatched_ids"])
-        past_guarded_step = mismatched_past(on, padded_on, 1)
-        assert padded_on == past_guarded_step, on["examples"]
-        if past_guarded_step:
-            # Right through #1 and wrong later, on steps the pass did nothing in: the pattern of the
-            # requests it never touched that differ from their runs alone pass off and on alike with
-            # MTP on vLLM 0.34 (logprobs within a few hundredths, then one token's jump on the
-            # speculative path: q8 and q35 at 40 requests; fuzz_scheduling_gpu_034.md, q23). Judged
-            # with those, and named.
-            warnings.warn(f"{config}: padded request(s) {sorted(past_guarded_step)} right through token #1 "
-                          f"and wrong later (vLLM's own MTP differences): "
-                          f"{ {r: on['examples'].get(r) for r in sorted(past_guarded_step)} }")
     elif not bug_expected(config):
         # vLLM's own fix: no fresh row on a slot-reading path in any engine, the guard stood down
         # (nothing zeroed), and pass on is pass off bit for bit (footprint below).
@@ -178,12 +167,36 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         assert off["mismatches"] > 0, off["examples"]
     else:
         assert off["fresh_decode_steps"] > 0 and off["first_token_mismatches"] > 0, off["examples"]
+    if config == "mtp":
+        # Where vLLM has the bug itself (0.26-0.30) such a request reads its recycled slot with the pass
+        # off (wrong from token #0); the pass zeroes it in its padded step too. Judged alike (vLLM 0.26,
+        # H200, four requests at once: q23 right through #3 and wrong at #4, as on 0.34).
+        padded_on = set(on["padded_first_steps"]) & set(on["mismatched_ids"])
+        past_guarded_step = mismatched_past(on, padded_on, 1)
+        assert padded_on == past_guarded_step, on["examples"]
+        if past_guarded_step:
+            # Right through #1 and wrong later, on steps the pass did nothing in: the pattern of the
+            # requests it never touched that differ from their runs alone pass off and on alike with
+            # MTP on vLLM 0.34 (logprobs within a few hundredths, then one token's jump on the
+            # speculative path: q8 and q35 at 40 requests; fuzz_scheduling_gpu_034.md, q23). Judged
+            # with those, and named.
+            warnings.warn(f"{config}: padded request(s) {sorted(past_guarded_step)} right through token #1 "
+                          f"and wrong later (vLLM's own MTP differences): "
+                          f"{ {r: on['examples'].get(r) for r in sorted(past_guarded_step)} }")
     acted_on = set(s["acted_on"])
     # every request the guard acted on, that the footprint baseline read stale, or that moved with
     # the batches the fix changed before its moved token (MTP acceptance), matches its
     # isolated run; in align mode (below) a request vLLM preempted and recomputed may drift
     # after its resume as it does with the harness's fix (the footprint check: bit for bit)
-    judged_alone = (acted_on | set(s["stale_in_baseline"]) | set(s["moved_with_schedule"])) - past_guarded_step
+    # requests pass off, pass on and the clean engine all get wrong in the very same way (tokens and
+    # logprobs): the pass changed nothing of them and no stale read made them (vLLM 0.26, H200, MTP,
+    # four requests at once: q9, whose last prompt chunk the pass kept off the FULL graph, wrong at #22)
+    own = same_mismatch_in_every_stream(s, ("off", "on", fz.CLEAN_OFF)) if config in SPECULATIVE else set()
+    if own:
+        warnings.warn(f"{config}: request(s) {sorted(own)} wrong in the same way with the pass off, on and on "
+                      f"a clean engine (vLLM's own): { {r: on['examples'].get(r) for r in sorted(own)} }")
+    judged_alone = ((acted_on | set(s["stale_in_baseline"]) | set(s["moved_with_schedule"]))
+                    - past_guarded_step - own)
     drift = set(on["mismatched_preempted_ids"]) if config == "preempt_prefix_hits" else set()
     assert not judged_alone & (set(on["mismatched_ids"]) - drift), on["examples"]
     if config == "bailing_linear_mtp":
@@ -205,7 +218,7 @@ def test_gpu_fuzz_stale_reads_off_none_on(summaries, config):
         assert off_full and off_full & set(off["mismatched_ids"]), (off["trace"]["full_graph_prefill_rows"],
                                                                      off["mismatched_ids"])
         assert on["trace"]["full_graph_prefill_rows"] == {} and on["trace"]["kept_off_full_graph_rows"], on["trace"]
-        assert on["mismatches"] == 0, on["examples"]
+        assert set(on["mismatched_ids"]) <= past_guarded_step | own, on["examples"]
     elif config in SPECULATIVE:
         # vLLM's own MTP mismatches are allowed only where the guard did not act and pass off
         # gives the very same output (perturbed_by_pass below)
