@@ -31,6 +31,7 @@ import fnmatch
 import importlib.util
 import json
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -99,8 +100,26 @@ def _chain(jobs: list[tuple], workdir: Path) -> dict:
     """Run jobs one after the other on one compile cache (the first compiles cold)."""
     cache = workdir / f"cache_{jobs[0][0]}"
     env = {"VLLM_CACHE_ROOT": str(cache), "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor")}
-    return {name: scenario(name, scen, guard, model, wd, (), env_extra=env, extra=args)
-            for name, scen, guard, model, wd, args in jobs}
+    results = {}
+    for name, scen, guard, model, wd, args in jobs:
+        _progress(f"{name}: started")
+        results[name] = result = scenario(name, scen, guard, model, wd, (), env_extra=env, extra=args)
+        _progress(f"{name}: {result.get('error', 'done')} after {result.get('wall_s')} s")
+    return results
+
+
+_STARTED = time.time()
+
+
+def _progress(line: str) -> None:
+    """Each engine as it starts and ends, in ``$GDN_PASS_GPU_RESULTS/gpu_vllm_families_progress.log``:
+    a group its time limit stops says which engines had run, and for how long (the module's
+    results are written only when every engine has ended)."""
+    out = os.environ.get("GDN_PASS_GPU_RESULTS")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        with open(Path(out) / "gpu_vllm_families_progress.log", "a") as log:
+            log.write(f"[{time.time() - _STARTED:5.0f} s] {line}\n")
 
 
 @pytest.fixture(scope="module")
