@@ -31,7 +31,7 @@ blocks, and reports per step:
                          vllm_us when the hook never waits for the stream
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
-        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown]
+        [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown] [--in-context]
         [--inference-host-tensors] [--forward] [--cuda-path-on-cpu] [--builder gdn|bailing] [--out DIR]
 """
 
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import random
 import statistics
 import subprocess
 import sys
@@ -323,6 +324,79 @@ def idle_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, flo
     return {name: round(us, 2) for name, us in spent.items()}
 
 
+def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str, float]]:
+    """What each part of the hook costs inside real steps, not alone: the step's builds timed (blocks
+    of 20 steps, interleaved round by round, in a new order each round) with one more part of the
+    hook each, from vLLM's builds alone to the whole hook, on a step without new rows. Per part, the
+    median over rounds of its step time minus the same round's step time without it, us a step,
+    with the quartiles; vLLM's builds alone run twice, and their difference is the method's zero. A line
+    timed alone (``--breakdown``) runs hot in a loop of its own; inside a step it runs after vLLM's
+    build has run, and costs what that leaves it."""
+    from gdn_pass.vllm import metadata_hook
+
+    originals = [type(b).build.__wrapped__ for b in builders]
+    hooked = [type(b).build for b in builders]
+
+    def generic(original):
+        def build(self, *args, **kwargs):
+            return original(self, *args, **kwargs)
+        return build
+
+    real_guard, real_defer = metadata_hook._guard_step, metadata_hook.defer
+    guard_nothing = lambda builder, state, original, args, kwargs, metadata, inputs=None: metadata  # noqa: E731
+    # (name, builds, _guard_step, defer), each with one part more than the one before it
+    parts = [("vLLM's builds alone", originals, real_guard, real_defer),
+             ("vLLM's builds alone again (the method's zero)", originals, real_guard, real_defer),
+             ("a wrapper with build's own parameters that only calls build",
+              [_same_parameters(o, "return _original({passed})", _original=o) for o in originals],
+              real_guard, real_defer),
+             ("a wrapper of *args, **kwargs instead (the packing of the call's arguments)",
+              [generic(o) for o in originals],
+              real_guard, real_defer),
+             ("the hook's wrapper (its state and mode reads), _guard_step doing nothing", hooked,
+              guard_nothing, real_defer)]
+    if all(metadata_hook.state_of(b).deferred is not None for b in builders):
+        parts.append(("_guard_step's decode check, cache identity and kept inputs, defer doing nothing",
+                      hooked, real_guard, lambda metadata, deferred: metadata))
+    parts.append(("the hook: defer (the weak reference, the note, the attach)" if len(parts) == 6
+                  else "the hook: _guard_step", hooked, real_guard, real_defer))
+
+    def step(builds):
+        base = steps.common()
+        for builder, build in zip(builders, builds):
+            build(builder, common_prefix_len=0, common_attn_metadata=copy.copy(base))
+
+    times: dict[str, list[float]] = {name: [] for name, *_ in parts}
+    try:
+        for _ in range(20):  # warm-up
+            for _, builds, guard, defer in parts:
+                metadata_hook._guard_step, metadata_hook.defer = guard, defer
+                step(builds)
+        order = random.Random(0)
+        for _ in range(rounds):
+            # each round in its own order: no part always follows the same one
+            for name, builds, guard, defer in order.sample(parts, len(parts)):
+                metadata_hook._guard_step, metadata_hook.defer = guard, defer
+                start = time.perf_counter()
+                for _ in range(20):
+                    step(builds)
+                times[name].append((time.perf_counter() - start) / 20 * 1e6)
+            sync()
+    finally:
+        metadata_hook._guard_step, metadata_hook.defer = real_guard, real_defer
+    names = list(times)
+    result = {}
+    for before, name in zip([None, *names], names):
+        added = ([t - b for t, b in zip(times[name], times[before])] if before else times[name])
+        q1, median, q3 = statistics.quantiles(added, n=4)
+        result[name] = dict(us=round(statistics.median(added), 2), q1=round(q1, 2), q3=round(q3, 2))
+    whole = [t - b for t, b in zip(times[names[-1]], times[names[0]])]
+    result["the whole hook"] = dict(us=round(statistics.median(whole), 2),
+                                    q1=round(statistics.quantiles(whole, n=4)[0], 2),
+                                    q3=round(statistics.quantiles(whole, n=4)[2], 2))
+    return result
+
+
 def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, float]:
     """Where a deferred step without new rows spends the hook's time, line by line, in us (each
     piece alone, best of 5 runs of ``number`` calls), as ``metadata_hook._guard_step`` runs a build
@@ -453,6 +527,9 @@ def main():
                     help="also time each line of the hook's path alone: the short path of a step without "
                          "new rows, a deferred build's path and its resolve (where builds are deferred), and "
                          "the build-time path of a step with one fresh row")
+    ap.add_argument("--in-context", action="store_true",
+                    help="also time each part of the hook inside real steps without new rows (each B of "
+                         "--batches): the builds with one more part of the hook each, interleaved round by round")
     ap.add_argument("--forward", action="store_true",
                     help="with the hook, also run every layer's guarded op (the op guard) each step, as a "
                          "compiled engine's piecewise forward does: a step with fresh rows makes its zeroing "
@@ -503,7 +580,12 @@ def main():
             row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
         rows.append(row)
         print(json.dumps(row), flush=True)
-    breakdown, fresh_lines, deferred_lines = {}, {}, {}
+    breakdown, fresh_lines, deferred_lines, context = {}, {}, {}, {}
+    if args.in_context:
+        for batch in args.batches:
+            context[str(batch)] = in_context(builders, Steps(batch, 0, device, inference=args.inference_host_tensors),
+                                             args.repeat, sync)
+            print(json.dumps({f"in_context_B{batch}": context[str(batch)]}), flush=True)
     if args.breakdown:
         idle_steps = Steps(max(args.batches), 0, device, inference=args.inference_host_tensors)
         breakdown = idle_breakdown(builders, idle_steps)
@@ -522,7 +604,7 @@ def main():
                   cuda_path_on_cpu=args.cuda_path_on_cpu,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown,
-                  deferred_breakdown_us=deferred_lines, fresh_breakdown_us=fresh_lines)
+                  deferred_breakdown_us=deferred_lines, fresh_breakdown_us=fresh_lines, in_context_us=context)
     table = [f"{args.groups} {'GDN' if args.builder == 'gdn' else 'Bailing (Lightning)'} builders x "
              f"{args.layers_per_group} layers per step, {result['device']}, "
              f"vLLM {vllm.__version__}, commit {commit}"
@@ -537,6 +619,14 @@ def main():
     table += [f"| {r['batch']}{' -> ' + str(r['padded_to']) if 'padded_to' in r else ''} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
               + (f"{r['first_build_us']} / {r['later_build_us']}" if "first_build_us" in r else "")
               + f" | {r.get('busy_us', '')} |" for r in rows]
+    if context:
+        parts = list(next(iter(context.values())))
+        table += ["", "Inside real steps without new rows: what each part adds to the step (median over "
+                  f"{args.repeat} rounds of 20 steps, quartiles in brackets), us a step of {len(builders)} builds:", "",
+                  "| part | " + " | ".join(f"B = {b}" for b in context) + " |",
+                  "|---|" + "---|" * len(context)]
+        table += [f"| {part} | " + " | ".join(f"{c[part]['us']} ({c[part]['q1']} to {c[part]['q3']})"
+                                              for c in context.values()) + " |" for part in parts]
     if breakdown:
         table += ["", f"A step without new rows (B = {max(args.batches)}), each line alone, us:", "",
                   "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in breakdown.items()]
