@@ -356,10 +356,11 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
              ("the hook's wrapper (its state and mode reads), _guard_step doing nothing", hooked,
               guard_nothing, real_defer)]
     if all(metadata_hook.state_of(b).deferred is not None for b in builders):
-        parts.append(("_guard_step's decode check, cache identity and kept inputs, defer doing nothing",
-                      hooked, real_guard, lambda metadata, deferred: metadata))
-    parts.append(("the hook: defer (the weak reference, the note, the attach)" if len(parts) == 6
-                  else "the hook: _guard_step", hooked, real_guard, real_defer))
+        parts += [("_guard_step's decode check, cache identity and kept inputs, defer doing nothing",
+                   hooked, real_guard, lambda metadata, deferred: metadata),
+                  ("the hook: defer (the weak reference, the note, the attach)", hooked, real_guard, real_defer)]
+    else:
+        parts.append(("the hook: _guard_step", hooked, real_guard, real_defer))
 
     def step(builds):
         base = steps.common()
@@ -384,16 +385,17 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
             sync()
     finally:
         metadata_hook._guard_step, metadata_hook.defer = real_guard, real_defer
+    def quartiles(values: list[float]) -> dict[str, float]:
+        q1, median, q3 = statistics.quantiles(values, n=4)
+        return dict(us=round(median, 2), q1=round(q1, 2), q3=round(q3, 2))
+
+    def added(name: str, before: str) -> list[float]:
+        return [t - b for t, b in zip(times[name], times[before])]
+
     names = list(times)
-    result = {}
-    for before, name in zip([None, *names], names):
-        added = ([t - b for t, b in zip(times[name], times[before])] if before else times[name])
-        q1, median, q3 = statistics.quantiles(added, n=4)
-        result[name] = dict(us=round(statistics.median(added), 2), q1=round(q1, 2), q3=round(q3, 2))
-    whole = [t - b for t, b in zip(times[names[-1]], times[names[0]])]
-    result["the whole hook"] = dict(us=round(statistics.median(whole), 2),
-                                    q1=round(statistics.quantiles(whole, n=4)[0], 2),
-                                    q3=round(statistics.quantiles(whole, n=4)[2], 2))
+    result = {names[0]: quartiles(times[names[0]])}
+    result.update({name: quartiles(added(name, before)) for before, name in zip(names, names[1:])})
+    result["the whole hook"] = quartiles(added(names[-1], names[0]))
     return result
 
 
