@@ -67,6 +67,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from harness import engine_ports
 from harness.fuzz_judge import (PREFILL_PATH, base_key, classify_resumed, counts_supplied_rows, engine_drift,
                                 first_token_mismatch, fresh_reads, fresh_reads_other_builders, full_graph_prefill_rows,
                                 kept_off_full_graph_rows, largest_shift, one_token_paths, padded_first_steps,
@@ -422,7 +423,7 @@ def _start_engine(spec: dict, workdir: Path, name: str, python: str, env_extra: 
     workdir.mkdir(parents=True, exist_ok=True)
     spec_path, out, log = workdir / f"{name}.spec.json", workdir / f"{name}.json", workdir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env_extra}
+    env = engine_ports.engine_env({**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **env_extra})
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     f = open(log, "w")
     proc = subprocess.Popen([python, "-m", "harness.fuzz", "--engine", "--spec",

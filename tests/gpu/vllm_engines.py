@@ -16,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 
+from harness import engine_ports
+
 ENGINE = [
     "kv_cache_memory_bytes=268435456",
     "gpu_memory_utilization=0.05",
@@ -52,6 +54,7 @@ def scenario(name: str, scenario: str, guard: str, model: Path, workdir: Path, c
     # FlashInfer's sampler only where scripts/test-gpu found FlashInfer (the H200 stacks have none).
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.update(env_extra or {})
+    env = engine_ports.engine_env(env)  # many engines start at once: no shared port
     start = time.time()
     with open(log, "w") as f:
         try:
