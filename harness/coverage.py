@@ -67,6 +67,11 @@ def _cell(evidence: dict) -> tuple[str, str | None]:
     status = evidence.get("status")
     if status == "e2e":
         if evidence.get("reproduced") and evidence.get("fixed") and evidence.get("r2_unchanged", True):
+            gap = evidence.get("max_logprob_diff") or 0.0
+            if evidence.get("r3_on_equals_clean") and gap > 1e-2:
+                # R3 beside R2 runs another kernel path than alone (MTP): judged by the clean engine
+                return "fixed e2e", (f"the fresh request has its isolated run's tokens; its logprobs are {gap:.3f} "
+                                     "from that run and bit for bit those of the same steps on a never-used slot")
             return "fixed e2e", None
         return "NOT FIXED", (f"reproduced={evidence.get('reproduced')}, fixed={evidence.get('fixed')}, "
                              f"other rows unchanged={evidence.get('r2_unchanged')}")

@@ -20,3 +20,11 @@ def test_readme_table_is_rendered_from_recorded_results():
 def test_render_marks_a_family_that_was_not_fixed():
     table = render({"fam": {"mode": {"CPU": {"status": "e2e", "reproduced": True, "fixed": False}}}})
     assert "NOT FIXED" in table
+
+
+def test_render_notes_a_fix_judged_by_the_clean_engine():
+    cell = {"status": "e2e", "reproduced": True, "fixed": True, "max_logprob_diff": 0.0774, "r3_on_equals_clean": True}
+    table = render({"fam": {"mtp": {"GPU": cell}}})
+    assert "| fixed e2e [1] |" in table and "0.077 from that run" in table and "never-used slot" in table
+    exact = render({"fam": {"mtp": {"GPU": {**cell, "max_logprob_diff": 0.0}}}})
+    assert "| fixed e2e |" in exact and "[1]" not in exact

@@ -204,7 +204,8 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
            r2_unchanged=r2["same_tokens"], fresh_decode_steps=case["off"]["fresh_decode_steps"],
            r3_isolated=iso["tokens"], r3_off=off["tokens"], r3_on=on["tokens"], guard=owners,
            max_logprob_diff=on_vs["max_logprob_diff"], checkpoint=_kind(kind),
-           r2_pass_off_unchanged=r2_off["same_tokens"], vllm_fixed=vllm_fixed, stale_read=stale_read)
+           r2_pass_off_unchanged=r2_off["same_tokens"], vllm_fixed=vllm_fixed, stale_read=stale_read,
+           r3_on_equals_clean=same_as_clean)
     assert case["off"]["plugin_hook_installed"]
     assert case["off"]["fresh_beside_decode_steps"] > 0, "the scenario did not schedule R3 next to R2"
     # With MTP, where vLLM reroutes fresh rows (0.31+), the pass still acts, at metadata build only, for a
