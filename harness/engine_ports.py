@@ -2,8 +2,8 @@
 
 vLLM picks its distributed init port by binding port 0 and letting it go; with two dozen
 engines starting at once on one machine, two of them were handed the same port and one
-stopped with ``EADDRINUSE`` (``gpu_tests_h200.md``, bailing at ``c7bc831`` and on the
-own-parameters branch). vLLM scans upward from ``VLLM_PORT`` when it is set, so each
+stopped with ``EADDRINUSE`` (``gpu_tests_h200.md``: the bailing group at ``c7bc831`` and
+``1c0c5d2``). vLLM scans upward from ``VLLM_PORT`` when it is set, so each
 engine gets a base of its own from a counter shared by every test process on the
 machine (a file under a lock), ``SPAN`` ports apart, below Linux's ephemeral range.
 """

@@ -2,8 +2,11 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 from harness import engine_ports
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_bases_differ_across_processes(tmp_path, monkeypatch):
@@ -11,7 +14,8 @@ def test_bases_differ_across_processes(tmp_path, monkeypatch):
     monkeypatch.setattr(engine_ports, "COUNTER", counter)
     script = ("from pathlib import Path; from harness import engine_ports as e; "
               f"e.COUNTER = Path({str(counter)!r}); print(*[e.next_base() for _ in range(20)])")
-    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+             for _ in range(4)]
     bases = [int(b) for p in procs for b in p.communicate()[0].split()]
     bases += [engine_ports.next_base() for _ in range(5)]
     assert len(bases) == 85 and len(set(bases)) == 85
