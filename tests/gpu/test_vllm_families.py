@@ -193,19 +193,20 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
     r2_off = compare(case["clean"]["requests"]["R2"], case["off"]["requests"]["R2"])
     owners = sorted(set(case["on"]["step_guard"]["owners"].values()))
     fixed = on_vs["same_tokens"] and on_vs["max_logprob_diff"] <= LOGPROB_TOL
-    same_as_clean = on == case["clean"]["requests"]["R3"]
+    # With MTP: R3 alone's tokens, and bit for bit what a never-used slot gives in the same steps (below)
+    fixed_as_clean = mode.startswith("mtp") and on_vs["same_tokens"] and on == case["clean"]["requests"]["R3"]
     # R3 on R1's recycled slot (pass off) against R3 on a never-used one (clean), bit for bit:
     # where they are equal, nothing stale was read, whatever R3 alone gives.
     stale_read = case["clean"]["requests"]["R3"] != off
     vllm_fixed = vllm_reroutes_fresh_rows(case["off"]) and (
         (off_vs["same_tokens"] and off_vs["max_logprob_diff"] <= LOGPROB_TOL) or not stale_read)
     record(family, label, status="e2e", reproduced=not off_vs["same_tokens"],
-           fixed=fixed or (mode.startswith("mtp") and on_vs["same_tokens"] and same_as_clean),
+           fixed=fixed or fixed_as_clean,
            r2_unchanged=r2["same_tokens"], fresh_decode_steps=case["off"]["fresh_decode_steps"],
            r3_isolated=iso["tokens"], r3_off=off["tokens"], r3_on=on["tokens"], guard=owners,
            max_logprob_diff=on_vs["max_logprob_diff"], checkpoint=_kind(kind),
            r2_pass_off_unchanged=r2_off["same_tokens"], vllm_fixed=vllm_fixed, stale_read=stale_read,
-           r3_on_equals_clean=same_as_clean)
+           r3_on_equals_clean=fixed_as_clean)
     assert case["off"]["plugin_hook_installed"]
     assert case["off"]["fresh_beside_decode_steps"] > 0, "the scenario did not schedule R3 next to R2"
     # With MTP, where vLLM reroutes fresh rows (0.31+), the pass still acts, at metadata build only, for a
@@ -234,10 +235,10 @@ def test_family_reproduced_and_fixed(runs, kind, mode):
     # to 0.087 from their runs alone; fuzz_scheduling_gpu_034.md). Elsewhere, pass on must give R3 exactly
     # what a never-used slot gives in the same steps (clean), bit for bit (vLLM 0.26, H100: 0.077 and 0.053
     # apart from R3 alone, on = clean; gpu_vllm_families.md).
-    if mode.startswith("mtp") and on_vs["same_tokens"] and not fixed and (padded_only or same_as_clean):
+    if not fixed and (fixed_as_clean or (padded_only and on_vs["same_tokens"])):
         warnings.warn(f"{kind}/{mode}: R3 has its isolated run's tokens, logprobs {on_vs['max_logprob_diff']:.3g} "
                       "apart (R3 beside R2 on another kernel path than alone"
-                      + (", as on a never-used slot, bit for bit)" if same_as_clean else ")"))
+                      + (", as on a never-used slot, bit for bit)" if fixed_as_clean else ")"))
     else:
         assert fixed, on_vs
     assert r2["same_tokens"] and r2["max_logprob_diff"] <= LOGPROB_TOL, r2
