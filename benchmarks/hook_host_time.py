@@ -344,23 +344,30 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
 
     real_guard, real_defer = metadata_hook._guard_step, metadata_hook.defer
     guard_nothing = lambda builder, state, original, args, kwargs, metadata, inputs=None: metadata  # noqa: E731
-    # (name, builds, _guard_step, defer), each with one part more than the one before it
-    parts = [("vLLM's builds alone", originals, real_guard, real_defer),
-             ("vLLM's builds alone again (the method's zero)", originals, real_guard, real_defer),
-             ("a wrapper with build's own parameters that only calls build",
-              [_same_parameters(o, "return _original({passed})", _original=o) for o in originals],
-              real_guard, real_defer),
-             ("a wrapper of *args, **kwargs instead (the packing of the call's arguments)",
-              [generic(o) for o in originals],
-              real_guard, real_defer),
-             ("the hook's wrapper (its state and mode reads), _guard_step doing nothing", hooked,
-              guard_nothing, real_defer)]
+    own_parameters = [_same_parameters(o, "return _original({passed})", _original=o) for o in originals]
+    # (name, builds, _guard_step, defer, the part it adds to): each with one part more than the one
+    # before it, but for the *args, **kwargs wrapper, which the hook's own-parameters wrapper replaces
+    # (``metadata_hook._own_parameters_build``) and which is timed here for comparison.
+    parts = [("vLLM's builds alone", originals, real_guard, real_defer, None),
+             ("vLLM's builds alone again (the method's zero)", originals, real_guard, real_defer,
+              "vLLM's builds alone"),
+             ("a wrapper with build's own parameters that only calls build", own_parameters,
+              real_guard, real_defer, "vLLM's builds alone again (the method's zero)"),
+             ("(for comparison) a wrapper of *args, **kwargs instead, what packing the arguments costs",
+              [generic(o) for o in originals], real_guard, real_defer,
+              "a wrapper with build's own parameters that only calls build")]
     if all(metadata_hook.state_of(b).deferred is not None for b in builders):
-        parts += [("_guard_step's decode check, cache identity and kept inputs, defer doing nothing",
-                   hooked, real_guard, lambda metadata, deferred: metadata),
-                  ("the hook: defer (the weak reference, the note, the attach)", hooked, real_guard, real_defer)]
+        parts += [("the hook's wrapper: its state and deferral checks, cache identity, kept inputs; defer "
+                   "doing nothing", hooked, real_guard, lambda metadata, deferred: metadata,
+                   "a wrapper with build's own parameters that only calls build"),
+                  ("the hook: defer (the weak reference, the note, the attach)", hooked, real_guard, real_defer,
+                   "the hook's wrapper: its state and deferral checks, cache identity, kept inputs; defer "
+                   "doing nothing")]
     else:
-        parts.append(("the hook: _guard_step", hooked, real_guard, real_defer))
+        parts += [("the hook's wrapper (its state and mode reads), _guard_step doing nothing", hooked,
+                   guard_nothing, real_defer, "a wrapper with build's own parameters that only calls build"),
+                  ("the hook: _guard_step", hooked, real_guard, real_defer,
+                   "the hook's wrapper (its state and mode reads), _guard_step doing nothing")]
 
     def step(builds):
         base = steps.common()
@@ -370,13 +377,13 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
     times: dict[str, list[float]] = {name: [] for name, *_ in parts}
     try:
         for _ in range(20):  # warm-up
-            for _, builds, guard, defer in parts:
+            for _, builds, guard, defer, _ in parts:
                 metadata_hook._guard_step, metadata_hook.defer = guard, defer
                 step(builds)
         order = random.Random(0)
         for _ in range(rounds):
             # each round in its own order: no part always follows the same one
-            for name, builds, guard, defer in order.sample(parts, len(parts)):
+            for name, builds, guard, defer, _ in order.sample(parts, len(parts)):
                 metadata_hook._guard_step, metadata_hook.defer = guard, defer
                 start = time.perf_counter()
                 for _ in range(20):
@@ -392,17 +399,17 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
     def added(name: str, before: str) -> list[float]:
         return [t - b for t, b in zip(times[name], times[before])]
 
-    names = list(times)
-    result = {names[0]: quartiles(times[names[0]])}
-    result.update({name: quartiles(added(name, before)) for before, name in zip(names, names[1:])})
-    result["the whole hook"] = quartiles(added(names[-1], names[0]))
+    first, last = parts[0][0], parts[-1][0]
+    result = {first: quartiles(times[first])}
+    result.update({name: quartiles(added(name, before)) for name, *_, before in parts[1:]})
+    result["the whole hook"] = quartiles(added(last, first))
     return result
 
 
 def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, float]:
     """Where a deferred step without new rows spends the hook's time, line by line, in us (each
-    piece alone, best of 5 runs of ``number`` calls), as ``metadata_hook._guard_step`` runs a build
-    it defers, and what the step's first guarded op adds when it resolves every group's deferred
+    piece alone, best of 5 runs of ``number`` calls), as the hook's wrapper of ``build``'s own
+    parameters (or ``metadata_hook._guard_step``, the generic wrapper's) runs a build it defers, and what the step's first guarded op adds when it resolves every group's deferred
     build (``handoff.resolve_deferred``; a replayed FULL graph's step runs no guarded op and skips
     it). Empty where the builders do not defer (not the op guard's groups on the CUDA path in an
     engine that captures FULL graphs: ``--cuda-path-on-cpu`` or CUDA)."""
@@ -432,8 +439,11 @@ def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str,
         defer_all()
         handoff.resolve_deferred(metadata[0])
 
+    hooked = type(builder).build
     spent = {
-        "_guard_step, a deferred build (the whole path)": best(
+        "the hook's wrapper of build's own parameters, a deferred build, minus vLLM's build": best(
+            lambda: hooked(builder, **kwargs)) - best(lambda: plain(builder, **kwargs)),
+        "_guard_step, a deferred build (the generic wrapper's path, for comparison)": best(
             lambda: metadata_hook._guard_step(builder, state, plain, (), kwargs, last)),
         "  max_query_len <= 1 (a decode step)": best(lambda: kwargs.get("common_attn_metadata").max_query_len <= 1),
         "  captured_staged_rows()": best(handoff.captured_staged_rows),

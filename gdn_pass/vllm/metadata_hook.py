@@ -47,9 +47,11 @@ capture's hand-off (nothing staged: a capture must not record a copy), and
 once a capture has zeroed through staged rows (a step vLLM's tensors cannot
 describe), every build checks its step again (``handoff.captured_staged_rows``).
 Steps with a prompt row (``max_query_len`` over 1: vLLM's runners replay FULL
-graphs for decode steps only), builds called with positional inputs (vLLM's
-capture builds) and CPU engines, whose every step runs its guarded ops, are
-checked at build as before.
+graphs for decode steps only), vLLM's builds for a CUDA graph's capture
+(``build_for_cudagraph_capture``) and CPU engines, whose every step runs its
+guarded ops, are checked at build as before. Where ``build``'s signature allows
+(every vLLM release's builders), the wrapper has ``build``'s own parameters and
+runs a deferred build's whole deferral itself (``_own_parameters_build``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ class BuilderState:
     # step's first guarded op makes the step's rows (``handoff.resolve_deferred``), and a FULL CUDA
     # graph's replay, which runs no guarded op's Python, never makes them on the host.
     deferred: StepHandoff | None = None
+    # Inside vLLM's ``build_for_cudagraph_capture`` (``_mark_capture_builds``): its builds are not deferred.
+    capture_builds: int = 0
 
 
 def state_of(builder) -> BuilderState | None:
@@ -203,9 +207,13 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
         # Everything the hook does after vLLM's build is under _guard_step (benchmarks time it there).
         return _guard_step(self, state, original_build, args, kwargs, metadata, inputs)
 
+    own = _own_parameters_build(entry, original_build, build)
     setattr(build, _MARK, True)
+    if own is not None:
+        setattr(own, _MARK, True)
     cls.__init__ = __init__
-    cls.build = build
+    cls.build = own or build
+    _mark_capture_builds(cls)
     original_update = cls.__dict__.get("update_block_table")
     if original_update is None:
         return
@@ -234,6 +242,109 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
     cls.update_block_table = update_block_table
 
 
+# The build wrapper with ``build``'s own parameters (``_own_parameters_build``); ``{...}`` are
+# filled from the signature. A deferred build (most of a FULL-graph engine's steps) runs its whole
+# deferral here, without packing the call into ``*args, **kwargs`` or calling ``_guard_step``: the
+# same checks as ``_guard_step``'s deferred branch, in the same order, and every other build goes
+# to the generic wrapper with each argument by keyword.
+_OWN_PARAMETERS_TEMPLATE = """
+def make(entry, original_build, generic_build, {defaults}):
+    def build({self}, {declared}):
+        state = {self}.__dict__.get(_BUILDER_STATE)
+        if state is None or state.entry is not entry:
+            return original_build({self}, {forward})
+        if state.padded_rows_only and not accepted_counts.step_has_padded_rows():
+            return original_build({self}, {forward})
+        deferred = state.deferred
+        if (deferred is None or state.capture_builds or common_attn_metadata.max_query_len > 1
+                or captured_staged_rows()):
+            return generic_build({self}, {by_keyword})
+        metadata = original_build({self}, {forward})
+        if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
+            _group_state(state)
+        setattr(metadata, _BUILD_INPUTS, (({positional}), {keyword_only}))
+        return defer(metadata, deferred)
+    return build
+"""
+
+
+def _own_parameters_build(entry: builders.StateBuilder, original_build, generic_build):
+    """``generic_build`` (the hook's ``build(self, *args, **kwargs)``) as a function of
+    ``original_build``'s own parameters, made from its signature; None where the signature has
+    ``*args``, ``**kwargs`` or positional-only parameters (a wrapper of someone else's, for example),
+    or no ``common_attn_metadata``: such a ``build`` keeps the generic wrapper.
+
+    Why: vLLM's runners call ``build`` by keyword, and a ``*args, **kwargs`` wrapper packs every call
+    into a tuple and a dict and unpacks them again for vLLM's build (1.0-1.2 us a step of three
+    builds on the GPU host, ``hook_host_time.md``). The function is made with ``exec`` over this
+    module's globals, as every function that keeps an arbitrary signature must be.
+    """
+    import inspect
+
+    try:
+        parameters = list(inspect.signature(original_build, follow_wrapped=False).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    plain = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = [p.name for p in parameters]
+    if (len(parameters) < 2 or any(p.kind not in plain for p in parameters)
+            or parameters[0].kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD
+            or "common_attn_metadata" not in names[1:]
+            or any(not n.isidentifier() or n in _TEMPLATE_NAMES or n.startswith("default_") for n in names)):
+        return None
+    self_name, rest = names[0], parameters[1:]
+    defaults = {f"default_{i}": p.default for i, p in enumerate(rest) if p.default is not p.empty}
+    declared, keyword_only_seen = [], False
+    for i, p in enumerate(rest):
+        if p.kind is p.KEYWORD_ONLY and not keyword_only_seen:
+            declared.append("*")
+            keyword_only_seen = True
+        declared.append(p.name if p.default is p.empty else f"{p.name}=default_{i}")
+    positional = [p.name for p in rest if p.kind is p.POSITIONAL_OR_KEYWORD]
+    keyword_only = [p.name for p in rest if p.kind is p.KEYWORD_ONLY]
+    source = _OWN_PARAMETERS_TEMPLATE.format(
+        self=self_name, declared=", ".join(declared),
+        defaults=", ".join(defaults) or "_=None",
+        forward=", ".join([*positional, *(f"{n}={n}" for n in keyword_only)]),
+        by_keyword=", ".join(f"{p.name}={p.name}" for p in rest),
+        positional="".join(f"{n}, " for n in positional),
+        keyword_only="{" + ", ".join(f"{n!r}: {n}" for n in keyword_only) + "}")
+    namespace: dict = {}
+    exec(compile(source, f"<gdn-pass build wrapper of {original_build.__qualname__}>", "exec"),  # noqa: S102
+         globals(), namespace)
+    build = namespace["make"](entry, original_build, generic_build, **defaults)
+    return functools.wraps(original_build)(build)
+
+
+# Names the template uses: a build parameter named so would hide them.
+_TEMPLATE_NAMES = frozenset({
+    "make", "build", "entry", "original_build", "generic_build", "state", "deferred", "metadata", "accepted_counts",
+    "captured_staged_rows", "defer", "getattr", "setattr", "_group_state", "_BUILD_INPUTS", "_BUILDER_STATE"})
+
+
+def _mark_capture_builds(cls: type) -> None:
+    """Count, on the builder's state, the builds vLLM makes for a CUDA graph's capture
+    (``build_for_cudagraph_capture``): they are checked at build, never deferred (``_guard_step``),
+    and the wrapper of ``build``'s own parameters cannot tell them by how they pass their inputs."""
+    original_capture = getattr(cls, "build_for_cudagraph_capture", None)
+    if original_capture is None or getattr(original_capture, _MARK, False):
+        return
+
+    @functools.wraps(original_capture)
+    def build_for_cudagraph_capture(self, *args, **kwargs):
+        state = self.__dict__.get(_BUILDER_STATE)
+        if state is None:
+            return original_capture(self, *args, **kwargs)
+        state.capture_builds += 1
+        try:
+            return original_capture(self, *args, **kwargs)
+        finally:
+            state.capture_builds -= 1
+
+    setattr(build_for_cudagraph_capture, _MARK, True)
+    cls.build_for_cudagraph_capture = build_for_cudagraph_capture
+
+
 def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """A step whose rows all have at most one token, without ``is_prefilling``: vLLM 0.31+'s builder
     then keeps its fresh rows on the decode path (and stages its FULL-graph buffers) as before its
@@ -252,8 +363,10 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
                 inputs: tuple | None = None):
     """Stage the step's rows to zero, and zero them here where the step guard owns the group; or,
     where the group's builds are deferred (``_deferrable``), vLLM's runner calls this one with its
-    inputs by keyword (its capture builds do not) and every row of the step has at most one token
-    (the steps a FULL decode graph can replay), leave that to the step's first guarded op.
+    inputs by keyword, not for a CUDA graph's capture (``BuilderState.capture_builds``), and every
+    row of the step has at most one token (the steps a FULL decode graph can replay), leave that to
+    the step's first guarded op. The wrapper of ``build``'s own parameters runs this deferred
+    branch itself (``_OWN_PARAMETERS_TEMPLATE``): the two change together.
 
     ``inputs``: the build's ``(common_attn_metadata, num_decode_draft_tokens_cpu)`` where the caller
     has read them already (``compat.step_inputs``)."""
@@ -262,7 +375,8 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         # A step with a prompt row (max_query_len over 1) replays no FULL decode graph in vLLM's
         # runners: its guarded ops run, and deferring would only move its check into them.
         common = kwargs.get("common_attn_metadata")
-        if common is not None and common.max_query_len <= 1 and not captured_staged_rows():
+        if (common is not None and common.max_query_len <= 1 and not state.capture_builds
+                and not captured_staged_rows()):
             if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
                 _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
             setattr(metadata, _BUILD_INPUTS, (args, kwargs))

@@ -125,6 +125,18 @@ def test_builds_read_no_rows_and_the_first_guarded_op_zeroes_every_group(monkeyp
 
 
 @needs_a_table
+def test_the_wrapper_of_builds_own_parameters_defers_by_itself(monkeypatch, guarded, zero_calls):
+    """A deferred build is the whole of a replayed step's host work: the wrapper with ``build``'s own
+    parameters defers it without the generic wrapper or ``_guard_step`` (the cases above and below
+    check that what it does is right)."""
+    built, layers = three_groups(monkeypatch)
+    with monkeypatch.context() as during_builds:
+        during_builds.setattr(metadata_hook, "_guard_step", lambda *a: pytest.fail("_guard_step called"))
+        metadata = build_step(built)
+    assert all(deferred(md) for md in metadata.values())
+
+
+@needs_a_table
 def test_a_step_whose_forward_runs_no_guarded_op_reads_no_rows(monkeypatch, guarded, zero_calls):
     """A FULL CUDA graph's replay runs no guarded op's Python: such steps cost the host their builds'
     wrappers only, and leave nothing behind for the next step."""
@@ -173,6 +185,25 @@ def test_a_deferred_build_resolved_inside_a_capture_stages_nothing(monkeypatch, 
         assert attached.resolve is None and attached.decode is not None, "not the capture's hand-off"
     assert not handoff.captured_staged_rows()
     assert all(deferred(md) for md in build_step(built).values())
+
+
+@needs_a_table
+def test_a_deferred_build_after_vllm_binds_new_caches_captures_the_new_ones(monkeypatch, guarded, zero_calls):
+    """vLLM binds each layer's caches anew after its profiling run: a deferred build reads no row,
+    but makes the group's table again, outside the capture, so that a capture resolving the build
+    zeroes the caches the model reads, not the ones it dropped."""
+    built, layers = three_groups(monkeypatch)
+    dropped = {name: layer.kv_cache for name, layer in layers.items()}
+    for layer in layers.values():
+        layer.kv_cache = [cache.clone() for cache in layer.kv_cache]
+    poison(layers)
+    metadata = build_step(built)
+    assert all(deferred(md) for md in metadata.values())
+    with monkeypatch.context() as capture:
+        capture.setattr(op_guard, "_capturing", lambda: True)
+        forward(monkeypatch, layers, metadata)
+    assert_new_rows_zeroed(layers)
+    assert not any(cache.eq(0).any() for caches in dropped.values() for cache in caches), "a dropped cache zeroed"
 
 
 @needs_a_table
@@ -227,4 +258,4 @@ def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, gu
 
 
 def test_every_case_again_on_the_cuda_zeroing_path():
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=8)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)
