@@ -243,12 +243,18 @@ def _same_parameters(function, body: str, **names):
     import inspect
 
     parameters = list(inspect.signature(function).parameters.values())
-    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.KEYWORD_ONLY, p.POSITIONAL_ONLY) for p in parameters):
-        raise ValueError(f"{function.__qualname__}: only plain parameters are reproduced")
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD, p.POSITIONAL_ONLY) for p in parameters):
+        raise ValueError(f"{function.__qualname__}: only named parameters are reproduced")
     defaults = {f"_default_{p.name}": p.default for p in parameters if p.default is not p.empty}
-    declared = ", ".join(p.name if p.default is p.empty else f"{p.name}=_default_{p.name}" for p in parameters)
+    declared = []
+    for p in parameters:
+        if p.kind is p.KEYWORD_ONLY and "*" not in declared:
+            declared.append("*")
+        declared.append(p.name if p.default is p.empty else f"{p.name}=_default_{p.name}")
+    declared = ", ".join(declared)
     namespace = {**names, **defaults}
-    body = body.format(passed=", ".join(p.name for p in parameters))
+    body = body.format(passed=", ".join(p.name if p.kind is p.POSITIONAL_OR_KEYWORD else f"{p.name}={p.name}"
+                                        for p in parameters))
     exec(f"def made({declared}):\n    {body}\n", namespace)  # noqa: S102
     return namespace["made"]
 
