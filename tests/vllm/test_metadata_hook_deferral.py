@@ -33,10 +33,23 @@ needs_a_table = pytest.mark.skipif(not on_the_cuda_path(), reason="deferral need
                                    "engines run every step's guarded ops and check each build (the last test)")
 
 
-def three_groups(monkeypatch, full_graphs: bool = True):
+KEEPS_DECODES = ("this release's GDN builder reroutes fresh rows itself (0.31+): where gdn-pass acts on it, "
+                 "it keeps one-token steps on the decode path, and such builds are never deferred "
+                 "(metadata_hook._deferrable)")
+
+
+def skip_where_builds_keep_decodes(built) -> None:
+    if any(metadata_hook.state_of(builder).keeps_decodes for builder, _ in built):
+        pytest.skip(KEEPS_DECODES)
+
+
+def three_groups(monkeypatch, full_graphs: bool = True, deferring: bool = True):
     """Three configured builders (one per group of three poisoned layers) whose owner, the op
-    guard, was decided at a first step; the layers, poisoned again."""
+    guard, was decided at a first step; the layers, poisoned again. ``deferring``: the case needs
+    builds that can be deferred (skipped where this release's cannot)."""
     built = [engine(monkeypatch, compiled=True, layer_names=names, full_graphs=full_graphs) for names in GROUPS]
+    if deferring:
+        skip_where_builds_keep_decodes(built)
     layers = {name: layer for _, group_layers in built for name, layer in group_layers.items()}
     warm_up(monkeypatch, layers, covered=list(layers))
     forward(monkeypatch, layers, build_step(built))  # the owners' first builds: never deferred
@@ -251,11 +264,12 @@ def test_a_step_with_a_prompt_row_checks_its_step_at_build(monkeypatch, guarded,
 def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, guarded, zero_calls):
     """Where every step runs its guarded ops, deferring would only add to them: on CPU (no cache
     table), and on CUDA in an engine that captures no FULL graph, each build checks its step."""
-    built, layers = three_groups(monkeypatch, full_graphs=not on_the_cuda_path())
+    built, layers = three_groups(monkeypatch, full_graphs=not on_the_cuda_path(), deferring=False)
     zero_calls.clear()
     assert_checked_at_build_and_zeroed(monkeypatch, built, layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a cache zeroed twice or never"
 
 
-def test_every_case_again_on_the_cuda_zeroing_path():
+def test_every_case_again_on_the_cuda_zeroing_path(monkeypatch, guarded):
+    skip_where_builds_keep_decodes([engine(monkeypatch, compiled=True, layer_names=GROUPS[0], full_graphs=True)])
     run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)

@@ -36,7 +36,8 @@ ADAPTER_TESTS = ["tests/vllm/test_compat.py", "tests/vllm/test_metadata_hook.py"
                  "tests/vllm/test_support.py", "tests/vllm/test_doctor.py",
                  "tests/vllm/test_linear_attention_builders.py", "tests/vllm/test_metadata_hook_row_kinds.py",
                  "tests/vllm/test_prompt_chunks.py", "tests/vllm/test_accepted_counts.py",
-                 "tests/vllm/test_op_guard.py", "tests/vllm/test_step_guard.py", "tests/vllm/test_handoff.py"]
+                 "tests/vllm/test_op_guard.py", "tests/vllm/test_step_guard.py", "tests/vllm/test_handoff.py",
+                 "tests/vllm/test_metadata_hook_own_parameters.py", "tests/vllm/test_metadata_hook_deferral.py"]
 
 
 ADAPTER_RELEASES = ["0.27", "0.31", "0.32"]
