@@ -128,9 +128,13 @@ def write_model(dims: str, layers: int, out: Path) -> Path:
 class HookClock:
     """Host time inside gdn-pass's metadata hook, by wrapping what its build wrapper calls.
 
-    ``seconds`` sums ``metadata_hook._guard_step``, all the hook does after
-    vLLM's own build (the split kept on the decode path of 0.31+'s builder,
-    ``_one_token_step_as_decodes``, too, where it runs). ``by_function`` times
+    ``seconds`` sums what the hook does after vLLM's own build, as the functions
+    its build wrappers call (``HOOK_FUNCTIONS``): ``_guard_step`` (the generic
+    wrapper's path), ``_attach_idle`` and ``_check_step`` (a build checked at
+    once), ``defer`` (a deferred build; the wrapper's own few checks before it
+    are not timed), and the split kept on the decode path of 0.31+'s builder,
+    ``_one_token_step_as_decodes``, where it runs. A call inside another of
+    them is not counted again. ``by_function`` times
     its parts: the step's scheduler rows (once per step), the builder's
     caches, vLLM's decode tensors, staging and the step guard's zeroing; each
     part's wrapper adds its own call to the total, so parts are timed only
@@ -147,7 +151,8 @@ class HookClock:
         self.seconds = 0.0
         self.calls: list[float] = []
         self.by_function: dict[str, float] = {}
-        timed = [(metadata_hook, "_guard_step", "total"), (metadata_hook, "_one_token_step_as_decodes", "total")]
+        self._depth = 0  # timed "total" calls open: only the outermost one counts
+        timed = [(metadata_hook, name, "total") for name in self.HOOK_FUNCTIONS]
         if detail:
             timed += [(rows, "scheduler_rows", "scheduler_rows"),
                       (rows.HostRows, "stage_fresh", "stage_fresh"),
@@ -159,17 +164,23 @@ class HookClock:
         for owner, name, label in timed:
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
+    HOOK_FUNCTIONS = ("_guard_step", "_attach_idle", "_check_step", "defer", "_one_token_step_as_decodes")
+
     def _timed(self, fn, name: str):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            total = name == "total"
+            self._depth += total
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 spent = time.perf_counter() - start
-                if name == "total":
-                    self.seconds += spent
-                    self.calls.append(spent)
+                self._depth -= total
+                if total:
+                    if not self._depth:
+                        self.seconds += spent
+                        self.calls.append(spent)
                 else:
                     self.by_function[name] = self.by_function.get(name, 0.0) + spent
 

@@ -348,56 +348,60 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
             return original(self, *args, **kwargs)
         return build
 
-    real_guard, real_defer = metadata_hook._guard_step, metadata_hook.defer
-    guard_nothing = lambda builder, state, original, args, kwargs, metadata, inputs=None: metadata  # noqa: E731
+    patched = ("_guard_step", "_attach_idle", "defer")
+    real = {name: getattr(metadata_hook, name) for name in patched}
+    # The hook's step check doing nothing: the generic wrapper's _guard_step, and _attach_idle (the
+    # own-parameters wrapper's check of a build it does not defer) saying "no new row, attached".
+    check_nothing = {"_guard_step": lambda builder, state, original, args, kwargs, metadata, inputs=None: metadata,
+                     "_attach_idle": lambda state, common, metadata: True}
     own_parameters = [_same_parameters(o, "return _original({passed})", _original=o) for o in originals]
-    # (name, builds, _guard_step, defer, the part it adds to): each with one part more than the one
-    # before it, but for the *args, **kwargs wrapper, which the hook's own-parameters wrapper replaces
-    # (``metadata_hook._own_parameters_build``) and which is timed here for comparison.
-    parts = [("vLLM's builds alone", originals, real_guard, real_defer, None),
-             ("vLLM's builds alone again (the method's zero)", originals, real_guard, real_defer,
-              "vLLM's builds alone"),
-             ("a wrapper with build's own parameters that only calls build", own_parameters,
-              real_guard, real_defer, "vLLM's builds alone again (the method's zero)"),
+    wrapper_only = "a wrapper with build's own parameters that only calls build"
+    # (name, builds, the hook's functions replaced, the part it adds to): each with one part more than
+    # the one before it, but for the *args, **kwargs wrapper, which the hook's own-parameters wrapper
+    # replaces (``metadata_hook._own_parameters_build``) and which is timed here for comparison.
+    parts = [("vLLM's builds alone", originals, {}, None),
+             ("vLLM's builds alone again (the method's zero)", originals, {}, "vLLM's builds alone"),
+             (wrapper_only, own_parameters, {}, "vLLM's builds alone again (the method's zero)"),
              ("(for comparison) a wrapper of *args, **kwargs instead, what packing the arguments costs",
-              [generic(o) for o in originals], real_guard, real_defer,
-              "a wrapper with build's own parameters that only calls build")]
+              [generic(o) for o in originals], {}, wrapper_only)]
     if all(metadata_hook.state_of(b).deferred is not None for b in builders):
-        parts += [("the hook's wrapper: its state and deferral checks, cache identity, kept inputs; defer "
-                   "doing nothing", hooked, real_guard, lambda metadata, deferred: metadata,
-                   "a wrapper with build's own parameters that only calls build"),
-                  ("the hook: defer (the weak reference, the note, the attach)", hooked, real_guard, real_defer,
-                   "the hook's wrapper: its state and deferral checks, cache identity, kept inputs; defer "
-                   "doing nothing")]
+        checks = "the hook's wrapper: its state and deferral checks, cache identity, kept inputs; defer doing nothing"
+        parts += [(checks, hooked, {"defer": lambda metadata, deferred: metadata}, wrapper_only),
+                  ("the hook: defer (the weak reference, the note, the attach)", hooked, {}, checks)]
     else:
-        parts += [("the hook's wrapper (its state and mode reads), _guard_step doing nothing", hooked,
-                   guard_nothing, real_defer, "a wrapper with build's own parameters that only calls build"),
-                  ("the hook: _guard_step", hooked, real_guard, real_defer,
-                   "the hook's wrapper (its state and mode reads), _guard_step doing nothing")]
+        reads = "the hook's wrapper (its state and mode reads), its step check doing nothing"
+        parts += [(reads, hooked, check_nothing, wrapper_only),
+                  ("the hook: its step check (_attach_idle, or _guard_step where the generic wrapper runs)",
+                   hooked, {}, reads)]
 
     def step(builds):
         base = steps.common()
         for builder, build in zip(builders, builds):
             build(builder, common_prefix_len=0, common_attn_metadata=copy.copy(base))
 
+    def replace(functions: dict) -> None:
+        for name in patched:
+            setattr(metadata_hook, name, functions.get(name, real[name]))
+
     times: dict[str, list[float]] = {name: [] for name, *_ in parts}
     try:
         for _ in range(20):  # warm-up
-            for _, builds, guard, defer, _ in parts:
-                metadata_hook._guard_step, metadata_hook.defer = guard, defer
+            for _, builds, functions, _ in parts:
+                replace(functions)
                 step(builds)
         order = random.Random(0)
         for _ in range(rounds):
             # each round in its own order: no part always follows the same one
-            for name, builds, guard, defer, _ in order.sample(parts, len(parts)):
-                metadata_hook._guard_step, metadata_hook.defer = guard, defer
+            for name, builds, functions, _ in order.sample(parts, len(parts)):
+                replace(functions)
                 start = time.perf_counter()
                 for _ in range(20):
                     step(builds)
                 times[name].append((time.perf_counter() - start) / 20 * 1e6)
             sync()
     finally:
-        metadata_hook._guard_step, metadata_hook.defer = real_guard, real_defer
+        replace({})
+
     def quartiles(values: list[float]) -> dict[str, float]:
         q1, median, q3 = statistics.quantiles(values, n=4)
         return dict(us=round(median, 2), q1=round(q1, 2), q3=round(q3, 2))

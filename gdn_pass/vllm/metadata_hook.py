@@ -51,7 +51,8 @@ graphs for decode steps only), vLLM's builds for a CUDA graph's capture
 (``build_for_cudagraph_capture``) and CPU engines, whose every step runs its
 guarded ops, are checked at build as before. Where ``build``'s signature allows
 (every vLLM release's builders), the wrapper has ``build``'s own parameters and
-runs a deferred build's whole deferral itself (``_own_parameters_build``).
+runs the two paths of most steps itself (``_own_parameters_build``): a deferred
+build's deferral, and a step without a new row checked at build (``_attach_idle``).
 """
 
 from __future__ import annotations
@@ -243,10 +244,12 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
 
 
 # The build wrapper with ``build``'s own parameters (``_own_parameters_build``); ``{...}`` are
-# filled from the signature. A deferred build (most of a FULL-graph engine's steps) runs its whole
-# deferral here, without packing the call into ``*args, **kwargs`` or calling ``_guard_step``: the
-# same checks as ``_guard_step``'s deferred branch, in the same order, and every other build goes
-# to the generic wrapper with each argument by keyword.
+# filled from the signature. The two paths of most steps run here, without packing the call into
+# ``*args, **kwargs`` or calling ``_guard_step``: a deferred build (most of a FULL-graph engine's
+# steps), with the same checks as ``_guard_step``'s deferred branch in the same order; and a build
+# that changes nothing before vLLM's and is not deferred (the step guard's groups, CPU engines),
+# which checks its step at once as ``_check_step`` does (``_attach_idle``; a step with a new row
+# goes on to ``_check_step``). Every other build goes to the generic wrapper, each argument by keyword.
 _OWN_PARAMETERS_TEMPLATE = """
 def make(entry, original_build, generic_build, {defaults}):
     def build({self}, {declared}):
@@ -256,8 +259,14 @@ def make(entry, original_build, generic_build, {defaults}):
         if state.padded_rows_only and not accepted_counts.step_has_padded_rows():
             return original_build({self}, {forward})
         deferred = state.deferred
-        if (deferred is None or state.capture_builds or common_attn_metadata.max_query_len > 1
-                or captured_staged_rows()):
+        if deferred is None:
+            if state.keeps_decodes or state.prompt_chunks is not None or state.shares_metadata:
+                return generic_build({self}, {by_keyword})
+            metadata = original_build({self}, {forward})
+            if state.idle is not None and _attach_idle(state, common_attn_metadata, metadata):
+                return metadata
+            return _check_step({self}, state, original_build, (), {{{by_name}}}, metadata)
+        if state.capture_builds or common_attn_metadata.max_query_len > 1 or captured_staged_rows():
             return generic_build({self}, {by_keyword})
         metadata = original_build({self}, {forward})
         if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
@@ -307,6 +316,7 @@ def _own_parameters_build(entry: builders.StateBuilder, original_build, generic_
         defaults=", ".join(defaults) or "_=None",
         forward=", ".join([*positional, *(f"{n}={n}" for n in keyword_only)]),
         by_keyword=", ".join(f"{p.name}={p.name}" for p in rest),
+        by_name=", ".join(f"{p.name!r}: {p.name}" for p in rest),
         positional="".join(f"{n}, " for n in positional),
         keyword_only="{" + ", ".join(f"{n!r}: {n}" for n in keyword_only) + "}")
     namespace: dict = {}
@@ -319,7 +329,8 @@ def _own_parameters_build(entry: builders.StateBuilder, original_build, generic_
 # Names the template uses: a build parameter named so would hide them.
 _TEMPLATE_NAMES = frozenset({
     "make", "build", "entry", "original_build", "generic_build", "state", "deferred", "metadata", "accepted_counts",
-    "captured_staged_rows", "defer", "getattr", "setattr", "_group_state", "_BUILD_INPUTS", "_BUILDER_STATE"})
+    "captured_staged_rows", "defer", "getattr", "setattr", "_group_state", "_BUILD_INPUTS", "_BUILDER_STATE",
+    "_attach_idle", "_check_step"})
 
 
 def _mark_capture_builds(cls: type) -> None:
@@ -394,22 +405,28 @@ def _check_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         common, draft_counts = kwargs.get("common_attn_metadata"), _UNREAD  # vLLM's runners: by keyword
         if common is None:  # by position (a CUDA graph's capture, build_for_cudagraph_capture)
             common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
-    idle = state.idle
-    # Most steps: no new row. The step's one check is made by its first build
-    # (``rows.has_new_rows``); a later build of the step finds it by identity.
-    if idle is not None and not has_new_rows(common):
-        if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
-            _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
-        rows = state.rows
-        if not rows.fresh_clear:  # the first such step after one with fresh rows
-            rows.stage_no_fresh(rows.num_rows)
-        state.common = common
-        setattr(metadata, ATTR, idle)
+    if state.idle is not None and _attach_idle(state, common, metadata):
         return metadata
     try:
         return _stage_step(builder, state, original_build, args, kwargs, metadata, common, draft_counts)
     finally:
         forget_build_rows()
+
+
+def _attach_idle(state: BuilderState, common, metadata) -> bool:
+    """Most steps: no new row. Attach the builder's hand-off of such steps (``BuilderState.idle``)
+    and say True; False, attaching nothing, where the step has a new row. The step's one check is
+    made by its first build (``rows.has_new_rows``); a later build of the step finds it by identity."""
+    if has_new_rows(common):
+        return False
+    if getattr(state.forward_context.get(state.first_name), "kv_cache", None) is not state.first_kv_cache:
+        _group_state(state)  # vLLM bound new caches: the table a capture zeroes is made here
+    rows = state.rows
+    if not rows.fresh_clear:  # the first such step after one with fresh rows
+        rows.stage_no_fresh(rows.num_rows)
+    state.common = common
+    setattr(metadata, ATTR, state.idle)
+    return True
 
 
 def _stage_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata, common,

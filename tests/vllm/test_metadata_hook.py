@@ -485,17 +485,18 @@ def test_a_step_without_new_rows_leaves_the_decode_rows_to_a_capture(monkeypatch
 
 
 def test_the_cost_benchmarks_clock_sees_every_build(monkeypatch):
-    """``benchmarks/engine_cost.py`` charges the hook what runs under ``_guard_step``: a build
-    on a step without new rows (the common case, by keyword as vLLM's runners call it) must
-    go through it too, or the engine cost table reads 0 us for such steps."""
+    """``benchmarks/engine_cost.py`` charges the hook what runs under the functions its build
+    wrappers call (``HookClock.HOOK_FUNCTIONS``): a build on a step without new rows (the common
+    case, by keyword as vLLM's runners call it) must go through one of them too, or the engine
+    cost table reads 0 us for such steps; and one nested in another counts once."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from engine_cost import HookClock
 
-    monkeypatch.setattr(metadata_hook, "_guard_step", metadata_hook._guard_step)  # restored afterwards
-    monkeypatch.setattr(metadata_hook, "_one_token_step_as_decodes", metadata_hook._one_token_step_as_decodes)
+    for name in HookClock.HOOK_FUNCTIONS:  # restored afterwards
+        monkeypatch.setattr(metadata_hook, name, getattr(metadata_hook, name))
     config = vllm_config(configured=True)
     bind_poisoned_caches(config)
     builder = new_builder(config, like_0_26=False, monkeypatch=monkeypatch)

@@ -77,3 +77,35 @@ def test_a_signature_it_cannot_reproduce_keeps_the_generic_wrapper(build):
     """Another plugin's ``*args, **kwargs`` wrapper, positional-only parameters, no
     ``common_attn_metadata`` (the deferral reads it by name), or a name the wrapper's own code uses."""
     assert metadata_hook._own_parameters_build(None, build, generic_build=None) is None
+
+
+def test_a_build_checked_at_once_runs_in_the_wrapper_alone(monkeypatch):
+    """A build the hook does not defer and that changes nothing before vLLM's (the step guard's
+    groups: eager engines, the Lightning builders) checks its step in the own-parameters wrapper:
+    no generic wrapper, no ``_guard_step``; a step with a new row is still zeroed at build, and a
+    step without one gets the builder's hand-off of such steps, nothing zeroed."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_metadata_hook import step_of
+    from test_step_guard import FRESH_SLOT, LAYERS, NUM_SLOTS, engine
+
+    from gdn_pass.vllm.handoff import handoff_of
+
+    builder, layers = engine(monkeypatch, compiled=False)
+    state = metadata_hook.state_of(builder)
+    if state.keeps_decodes:
+        pytest.skip("this release's GDN builder reroutes fresh rows itself (0.31+): gdn-pass keeps its "
+                    "one-token steps on the decode path, through the generic wrapper")
+    monkeypatch.setattr(metadata_hook, "_guard_step", lambda *a: pytest.fail("_guard_step called"))
+    fresh = builder.build(common_prefix_len=0, common_attn_metadata=step_of([9, 0, 30], [1, 1, 1], [3, 4, 5]))
+    assert handoff_of(fresh).zeroed_at_build and handoff_of(fresh).host_fresh == 1
+    for layer in layers.values():
+        for cache in layer.kv_cache:
+            others = [s for s in range(NUM_SLOTS) if s != FRESH_SLOT]
+            assert cache[FRESH_SLOT].eq(0).all() and not cache[others].eq(0).all(dim=-1).any()
+            cache[FRESH_SLOT].fill_(6.0)
+    idle = builder.build(common_prefix_len=0, common_attn_metadata=step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))
+    assert handoff_of(idle) is state.idle and handoff_of(idle).host_fresh == 0
+    assert all(not cache.eq(0).any() for name in LAYERS for cache in layers[name].kv_cache), "zeroed a slot"
