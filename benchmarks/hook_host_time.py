@@ -571,6 +571,9 @@ def main():
     if args.cuda_path_on_cpu:
         if cuda or args.forward:
             ap.error("--cuda-path-on-cpu is for a CPU-only machine, without --forward")
+        if args.builder != "gdn":
+            ap.error("--cuda-path-on-cpu times deferred GDN builds; the Lightning builders' step guard "
+                     "launches its zeroing at build, which cannot run on a CPU: run without it")
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
         import cuda_zeroing
 
