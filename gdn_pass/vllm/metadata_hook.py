@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 
 import torch
 
@@ -288,8 +289,6 @@ def _own_parameters_build(entry: builders.StateBuilder, original_build, generic_
     builds on the GPU host, ``hook_host_time.md``). The function is made with ``exec`` over this
     module's globals, as every function that keeps an arbitrary signature must be.
     """
-    import inspect
-
     try:
         parameters = list(inspect.signature(original_build, follow_wrapped=False).parameters.values())
     except (TypeError, ValueError):
