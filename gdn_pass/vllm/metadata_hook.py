@@ -319,9 +319,13 @@ def _own_parameters_build(entry: builders.StateBuilder, original_build, generic_
         positional="".join(f"{n}, " for n in positional),
         keyword_only="{" + ", ".join(f"{n!r}: {n}" for n in keyword_only) + "}")
     namespace: dict = {}
-    exec(compile(source, f"<gdn-pass build wrapper of {original_build.__qualname__}>", "exec"),  # noqa: S102
-         globals(), namespace)
-    build = namespace["make"](entry, original_build, generic_build, **defaults)
+    try:
+        exec(compile(source, f"<gdn-pass build wrapper of {original_build.__qualname__}>", "exec"),  # noqa: S102
+             globals(), namespace)
+        build = namespace["make"](entry, original_build, generic_build, **defaults)
+    except Exception as exc:  # noqa: BLE001 - installing runs in every vLLM process: never stop one here
+        logger.debug("gdn-pass: %s keeps the generic build wrapper (%r)", original_build.__qualname__, exc)
+        return None
     return functools.wraps(original_build)(build)
 
 

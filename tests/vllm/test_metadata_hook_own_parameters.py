@@ -79,6 +79,13 @@ def test_a_signature_it_cannot_reproduce_keeps_the_generic_wrapper(build):
     assert metadata_hook._own_parameters_build(None, build, generic_build=None) is None
 
 
+def test_a_wrapper_that_cannot_be_made_leaves_the_generic_one(monkeypatch):
+    """The hook is installed in every vLLM process: a wrapper whose making fails must not stop it."""
+    monkeypatch.setattr(metadata_hook, "_OWN_PARAMETERS_TEMPLATE", "def make(:\n")
+    calls = []
+    assert metadata_hook._own_parameters_build(None, _recording(calls), generic_build=None) is None
+
+
 def test_a_build_checked_at_once_runs_in_the_wrapper_alone(monkeypatch):
     """A build the hook does not defer and that changes nothing before vLLM's (the step guard's
     groups: eager engines, the Lightning builders) checks its step in the own-parameters wrapper:
