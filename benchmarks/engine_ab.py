@@ -298,13 +298,15 @@ def main() -> int:
     ap.add_argument("--case-seconds", type=float, default=None, help="time limit per case for --ci-target")
     ap.add_argument("--window-steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--fresh", type=int, nargs="+", choices=(0, 1), default=[0, 1],
+                    help="the cases per B: 0 without a fresh row, 1 with one (default: both)")
     args = ap.parse_args()
 
     llm = engine_for(args)
     switch = HookSwitch()
     cases = []
     for batch in args.batches:
-        for fresh in sorted({0, 1}):
+        for fresh in sorted(set(args.fresh)):
             if fresh <= batch:
                 cases.append(case(llm, switch, batch, fresh, args.pairs, args.window_steps, args.warmup,
                                   args.max_model_len - 64, args.ci_target, args.max_pairs, args.case_seconds))
