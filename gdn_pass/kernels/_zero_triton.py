@@ -111,17 +111,32 @@ def zero_new_rows_all_kernel(table_ptr, slot_ptr, slot_stride, column_stride, co
                 chunk_words, BLOCK)
 
 
-# One group's slots: address (bytes), row stride, column stride (elements) and column count. Row counts,
-# strides and addresses vary from step to step: one compiled kernel for all of them.
-@triton.jit(do_not_specialize=["num_rows", "max_columns", "slots0", "row_stride0", "column_stride0", "columns0",
-                               "slots1", "row_stride1", "column_stride1", "columns1", "slots2", "row_stride2",
-                               "column_stride2", "columns2", "slots3", "row_stride3", "column_stride3", "columns3"])
-def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_rows, num_caches, max_columns, chunks,
-                                chunk_words, slots0, row_stride0, column_stride0, columns0, slots1, row_stride1,
-                                column_stride1, columns1, slots2, row_stride2, column_stride2, columns2, slots3,
-                                row_stride3, column_stride3, columns3, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                                SLOTS_INT64: tl.constexpr):
-    """Grid ``(programs,)``: ``zero_new_rows_all_kernel`` for up to four groups of caches in one launch.
+@triton.jit
+def _of_group(group, v0, v1, v2, v3, v4, v5, v6, v7):
+    """``v<group>``: one group's scalar argument (a kernel takes no list of scalars)."""
+    low = tl.where(group == 0, v0, tl.where(group == 1, v1, tl.where(group == 2, v2, v3)))
+    high = tl.where(group == 4, v4, tl.where(group == 5, v5, tl.where(group == 6, v6, v7)))
+    return tl.where(group < 4, low, high)
+
+
+# One group's slots: address (bytes), row stride, column stride (elements) and column count, for up to
+# eight groups. Row counts, strides and addresses vary from step to step: one compiled kernel for all of them.
+@triton.jit(do_not_specialize=["num_rows", "max_columns", "slots0", "row_stride0", "column_stride0",
+                               "columns0", "slots1", "row_stride1", "column_stride1", "columns1", "slots2",
+                               "row_stride2", "column_stride2", "columns2", "slots3", "row_stride3",
+                               "column_stride3", "columns3", "slots4", "row_stride4", "column_stride4",
+                               "columns4", "slots5", "row_stride5", "column_stride5", "columns5", "slots6",
+                               "row_stride6", "column_stride6", "columns6", "slots7", "row_stride7",
+                               "column_stride7", "columns7",])
+def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_rows, num_caches, max_columns,
+                                chunks, chunk_words, slots0, row_stride0, column_stride0, columns0, slots1,
+                                row_stride1, column_stride1, columns1, slots2, row_stride2, column_stride2,
+                                columns2, slots3, row_stride3, column_stride3, columns3, slots4, row_stride4,
+                                column_stride4, columns4, slots5, row_stride5, column_stride5, columns5,
+                                slots6, row_stride6, column_stride6, columns6, slots7, row_stride7,
+                                column_stride7, columns7, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                SLOTS_INT64: tl.constexpr,):
+    """Grid ``(programs,)``: ``zero_new_rows_all_kernel`` for up to eight groups of caches in one launch.
 
     ``table_ptr``: ``[num_caches, 4]`` (address, slot stride, slot size, group); a cache of group ``g``
     takes a new row's slots from group ``g``'s slot tensor (``slots<g>``, an address). Every group
@@ -135,12 +150,14 @@ def zero_new_rows_groups_kernel(table_ptr, query_start_ptr, seq_lens_ptr, num_ro
         k, cache, column, chunk = unravel(item, items_per_row, items_per_cache, chunks)
         row = kth_fresh_row(rank, flags, rows, k).to(tl.int64)
         group = tl.load(table_ptr + cache * 4 + 3)
-        slots = tl.where(group == 0, slots0, tl.where(group == 1, slots1, tl.where(group == 2, slots2, slots3)))
-        row_stride = tl.where(group == 0, row_stride0, tl.where(group == 1, row_stride1,
-                                                                 tl.where(group == 2, row_stride2, row_stride3)))
-        column_stride = tl.where(group == 0, column_stride0, tl.where(
-            group == 1, column_stride1, tl.where(group == 2, column_stride2, column_stride3)))
-        columns = tl.where(group == 0, columns0, tl.where(group == 1, columns1, tl.where(group == 2, columns2, columns3)))
+        slots = _of_group(group, slots0, slots1, slots2, slots3,
+                          slots4, slots5, slots6, slots7)
+        row_stride = _of_group(group, row_stride0, row_stride1, row_stride2, row_stride3,
+                               row_stride4, row_stride5, row_stride6, row_stride7)
+        column_stride = _of_group(group, column_stride0, column_stride1, column_stride2, column_stride3,
+                                  column_stride4, column_stride5, column_stride6, column_stride7)
+        columns = _of_group(group, columns0, columns1, columns2, columns3,
+                            columns4, columns5, columns6, columns7)
         numel = tl.load(table_ptr + cache * 4 + 2)
         start = chunk.to(tl.int64) * chunk_words
         wanted = (column < columns) & (start < numel)  # groups have up to max_columns; small caches fewer chunks

@@ -247,7 +247,7 @@ _new_rows_kernel = None  # fast_launch.Launcher of _zero_triton.zero_new_rows_al
 
 # Groups one launch of ``zero_new_rows_groups`` covers (the kernel takes each group's slot
 # tensor as four scalars); more groups take more launches.
-MAX_GROUPS = 4
+MAX_GROUPS = 8
 
 
 def zero_new_rows_groups(tables: list[CacheTable], slots: list[torch.Tensor], query_start_loc: torch.Tensor,

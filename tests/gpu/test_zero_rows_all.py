@@ -247,13 +247,14 @@ def test_launches_after_the_first_go_through_the_c_launcher_and_zero_the_same_ro
     assert launcher.fast_launches >= 40 - 2 * len(layouts), (launcher.fast_launches, launcher.triton_launches)
 
 
-@pytest.mark.parametrize("groups", [1, 3, 5])
+@pytest.mark.parametrize("groups", [1, 3, 5, 9])
 def test_one_launch_zeroes_the_new_rows_of_every_group(groups):
     """``zero_new_rows_groups`` natively, step after step, as the op guard launches it for a step's
-    groups (a 48-layer Qwen3-Next has three): each group's own caches and slot tensor (a column of
-    its own block table; group 1's ``[rows, 2]``), one step's rows for all, int32 and int64 slots.
+    groups (a 48-layer Qwen3-Next has three, the 12-layer Bailing engine five): each group's own
+    caches and slot tensor (a column of its own block table; group 1's ``[rows, 2]``), one step's
+    rows for all, int32 and int64 slots.
     Each step must zero exactly each group's new rows' slots in that group's caches, as a naive
-    reference says; five groups take two launches; after a layout's first launch the launch
+    reference says; nine groups take two launches; after a layout's first launch the launch
     skips Triton's binder."""
     from gdn_pass.kernels import zero_rows
     from gdn_pass.kernels.zero_rows import zero_new_rows_groups

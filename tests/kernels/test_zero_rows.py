@@ -196,8 +196,12 @@ def test_new_rows_of_several_groups_in_one_launch(interpreted_results, case):
     assert interpreted_results["groups " + json.dumps(case)] == []
 
 
+def test_as_many_groups_as_one_launch_takes(interpreted_results):
+    assert interpreted_results["groups8"] == []
+
+
 def test_more_groups_than_one_launch_takes(interpreted_results):
-    assert interpreted_results["groups5"] == []
+    assert interpreted_results["groups9"] == []
 
 
 def test_groups_slots_must_share_a_dtype():
@@ -229,7 +233,8 @@ if __name__ == "__main__":  # the subprocess: every case, its errors as one JSON
     results.update({"new " + json.dumps(case): check_new_rows_case(*case) for case in CASES})
     results.update({"new2 " + json.dumps(case): check_new_rows_case(*case, columns=2) for case in CASES})
     results.update({"groups " + json.dumps(case): check_groups_case(*case) for case in CASES})
-    results["groups5"] = check_groups_case(9, 4, 0.5, groups=5)
+    results["groups8"] = check_groups_case(9, 4, 0.5, groups=zero_rows.MAX_GROUPS)
+    results["groups9"] = check_groups_case(9, 4, 0.5, groups=zero_rows.MAX_GROUPS + 1)
     print(json.dumps(results))
 
 
