@@ -360,6 +360,9 @@ CORE_OPS: tuple[CoreOp, ...] = (
     CoreOp("vllm::bailing_v3_kda_attention",
            ("q_proj_states", "k_proj_states", "v_proj_states", "g1", "beta", "core_attn_out",
             "layer_name"), "0.28-0.31", family="kda"),
+    # MiniMax's Lightning layer op, which Bailing-MoE-v2.5's layers call too (unfixed upstream).
+    CoreOp("vllm::linear_attention", ("hidden_states", "output", "positions", "layer_name"), "0.26-0.34",
+           family="lightning"),
 )
 
 # No vllm:: op of 0.26-0.31 whose name says it carries GDN/KDA state

@@ -62,7 +62,8 @@ def guarded_overload(op: torch._ops.OpOverload, spec: OpaqueStateOp) -> torch._o
 
 
 def stand_down_reason(spec: OpaqueStateOp) -> str | None:
-    """Why the compiled graph's op needs no guarded op (vLLM fixed its builder in this engine), or None.
+    """Why the compiled graph's op needs no guarded op (vLLM fixed the builders of the layers it reads,
+    ``builders.reading(spec.family)``, in this engine), or None.
 
     Asked by the pass at compile time, with vLLM's current config where it has
     set one (vLLM's CPU compile sets none; the platform decides there). Where
@@ -71,10 +72,14 @@ def stand_down_reason(spec: OpaqueStateOp) -> str | None:
     """
     from vllm.config import get_current_vllm_config_or_none
 
-    from gdn_pass.vllm import support
-    from gdn_pass.vllm.builders import GDN
+    from gdn_pass.vllm import builders, support
 
-    return support.stand_down_reason(GDN, get_current_vllm_config_or_none())
+    config = get_current_vllm_config_or_none()
+    # The op needs no guard only where every builder of the layers it reads stands down.
+    reasons = [support.stand_down_reason(entry, config) for entry in builders.reading(spec.family)]
+    if not reasons or None in reasons:
+        return None
+    return "; ".join(dict.fromkeys(reasons))
 
 
 def _schema_tail(op: torch._ops.OpOverload) -> str:
@@ -121,7 +126,7 @@ def registered_function(op: torch._ops.OpOverload) -> Callable | None:
 
 
 def _guarded_impl(op: torch._ops.OpOverload, spec: OpaqueStateOp):
-    index = spec.layer_arg_index
+    index, family = spec.layer_arg_index, spec.family
     function = registered_function(op)
     if function is None:
         logger.info("gdn-pass: %s's Python function not found; its guarded op calls it through the "
@@ -130,7 +135,7 @@ def _guarded_impl(op: torch._ops.OpOverload, spec: OpaqueStateOp):
 
     def impl(*args, **kwargs):
         layer = kwargs[spec.layer_arg] if spec.layer_arg in kwargs else args[index]
-        zero_fresh_state(getattr(layer, "value", layer))
+        zero_fresh_state(getattr(layer, "value", layer), family)
         return original(*args, **kwargs)
 
     impl.__name__ = f"guarded_{spec.qualname.split('::')[1]}"

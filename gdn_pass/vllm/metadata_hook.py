@@ -26,9 +26,9 @@ zeroing launch finds the new decode rows itself (``rows.DecodeRows``: a
 row whose ``seq_len`` equals its query length), and the host only counts
 them, so that a step with none launches nothing. Where no guarded op covers
 every layer of the builder's group (eager engines, reads behind no op), the
-step guard (``step_guard``) zeroes the fresh slots right after the build;
-the linear-attention builders, whose reads sit inside ``vllm::linear_attention``
-(no guarded op), always take that path. An entry whose builder this vLLM already
+step guard (``step_guard``) zeroes the fresh slots right after the build
+(the Lightning builders' too, whose reads the guarded twin of
+``vllm::linear_attention`` covers in compiled engines). An entry whose builder this vLLM already
 fixed stands down at engine start (``support.decide``).
 
 Where the op guard owns the group on CUDA, in an engine that replays FULL

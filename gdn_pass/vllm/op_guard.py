@@ -49,7 +49,7 @@ _vllm_forward_context = None
 _has_cuda: list[bool] = []
 
 
-def zero_fresh_state(layer_name: str) -> None:
+def zero_fresh_state(layer_name: str, family: str = "gdn") -> None:
     global _vllm_forward_context
 
     note_guarded_layer(layer_name)  # first in vLLM's profiling / warm-up forward
@@ -67,7 +67,7 @@ def zero_fresh_state(layer_name: str) -> None:
         for part in all_metadata:
             metadata = part.get(name)
             handoff = None if metadata is None else handoff_of(metadata)
-            if not (metadata is None or (handoff is None and "gdn" in stood_down())
+            if not (metadata is None or (handoff is None and _stood_down(family))
                     or (handoff is not None and handoff.zeroed_at_build)):
                 raise GuardError(
                     f"gdn-pass: micro-batched metadata of {layer_name} was not zeroed at build "
@@ -88,7 +88,7 @@ def zero_fresh_state(layer_name: str) -> None:
         # A deferred build: the step's first guarded op makes its rows, for all the step's groups.
         handoff = resolve_deferred(metadata, capturing=_capturing())
     if handoff is None:
-        if "gdn" in stood_down():  # vLLM fixed the GDN builder here: the guarded op is the original
+        if _stood_down(family):  # vLLM fixed the layer's builder here: the guarded op is the original
             return
         raise GuardError(
             f"no staged gdn-pass rows on {type(metadata).__name__} of {layer_name}: the "
@@ -122,6 +122,20 @@ def zero_fresh_state(layer_name: str) -> None:
                 handoff.zeroed_by_op = True
         return
     handoff.zero(layer.kv_cache, whole_table=False)
+
+
+def _stood_down(family: str) -> bool:
+    """Whether every builder of the layers ``family``'s ops read (``builders.reading``) stood down."""
+    keys = _FAMILY_KEYS.get(family)
+    if keys is None:
+        from gdn_pass.vllm import builders
+
+        keys = _FAMILY_KEYS[family] = tuple(entry.key for entry in builders.reading(family))
+    down = stood_down()
+    return bool(keys) and all(key in down for key in keys)
+
+
+_FAMILY_KEYS: dict[str, tuple[str, ...]] = {}
 
 
 def _capturing() -> bool:

@@ -15,8 +15,7 @@ engines have none:
 - ``enforce_eager=True`` or compilation mode NONE (the bug report's own
   reproduction; Kimi-Linear's architecture forces it in vLLM 0.27+);
 - layers whose state read sits behind no op at all (Kimi-Linear's KDA in
-  vLLM 0.27+ reads its caches in plain Python; the Lightning builders' reads
-  sit inside ``vllm::linear_attention``, which the pass does not swap).
+  vLLM 0.27+ reads its caches in plain Python).
 
 For those, the metadata hook zeroes the fresh rows' slots of every layer of
 the builder's group right after ``build()``, on the host thread that enqueues

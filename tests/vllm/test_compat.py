@@ -23,6 +23,7 @@ _OP_MODULES = (
     "vllm.model_executor.layers.mamba.gdn.olmo_gdn_linear_attn",
     "vllm.model_executor.layers.mamba.gdn.kimi_gdn_linear_attn",
     "vllm.model_executor.models.bailing_moe_v3",
+    "vllm.model_executor.layers.mamba.linear.minimax_linear_attn",
 )
 VERSION = tuple(int(p) for p in vllm.__version__.split(".")[:2])
 

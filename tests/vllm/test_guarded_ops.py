@@ -69,7 +69,9 @@ def _ops_run(fn) -> list[str]:
 
 def _guard_seen(monkeypatch) -> list[str]:
     seen: list[str] = []
-    monkeypatch.setattr(guarded_ops, "zero_fresh_state", seen.append)
+    # The guard's layer, with the op's family where it is not GDN's.
+    monkeypatch.setattr(guarded_ops, "zero_fresh_state",
+                        lambda layer, family: seen.append(layer if family == "gdn" else (layer, family)))
     return seen
 
 

@@ -249,7 +249,70 @@ def test_unconfigured_builds_exactly_as_vllm():
     assert (metadata.num_decodes, metadata.num_prefills) == (plain.num_decodes, plain.num_prefills)
 
 
+def test_compiled_engine_leaves_every_group_to_the_op_guard(monkeypatch, device_launches):
+    """A compiled engine runs each Lightning layer through the guarded twin of
+    ``vllm::linear_attention`` (``compat.CORE_OPS``, family ``lightning``). Once every layer of a
+    group has run through it (vLLM's warm-up forward), the op guard owns the group: nothing is
+    zeroed at build, and the step's guarded ops zero the fresh row's slot of every group before
+    the kernels read it. Five groups of two layers, as the 12-layer Bailing benchmark engine has;
+    on the CUDA path the step's first guarded op zeroes all five in one launch."""
+    from types import SimpleNamespace
+
+    import vllm.forward_context
+    from vllm.config import CompilationConfig, VllmConfig
+    from vllm.v1.attention.backends import linear_attn
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    from gdn_pass.vllm import VllmGDNStatePass, handoff, op_guard
+    from gdn_pass.vllm.step_guard import Owner
+
+    metadata_hook.install()
+    config = VllmConfig(compilation_config=CompilationConfig(
+        mode=3, inductor_compile_config={"post_grad_custom_post_pass": VllmGDNStatePass()}))
+    forward_context = config.compilation_config.static_forward_context
+    groups = [[f"model.layers.{2 * g + i}.attention" for i in range(2)] for g in range(5)]
+    layers = {}
+    for name in (n for names in groups for n in names):
+        state = torch.arange(1, NUM_BLOCKS + 1, dtype=torch.float64).mul(100).view(-1, 1, 1, 1).expand(-1, H, D, D)
+        layers[name] = forward_context[name] = SimpleNamespace(kv_cache=(state.contiguous(),))
+    before = {name: layer.kv_cache[0].clone() for name, layer in layers.items()}
+
+    def run_ops(attn_metadata):
+        context = SimpleNamespace(no_compile_layers=layers, attn_metadata=attn_metadata)
+        monkeypatch.setattr(vllm.forward_context, "get_forward_context", lambda: context)
+        for name in layers:
+            op_guard.zero_fresh_state(name, "lightning")
+
+    run_ops(None)  # vLLM's warm-up forward: the guarded ops note their layers
+    spec = MambaSpec(block_size=16, shapes=((H, D, D),), dtypes=(torch.float64,))
+    common = step([9, 0, 30], [1, 1, 1], [[3], [4], [5]])  # row 1 is brand new
+    joint_before = handoff.joint_activity()
+    attn_metadata = {}
+    # vLLM makes every group's builder at engine start, before any step
+    builders = [linear_attn.BailingLinearAttentionMetadataBuilder(spec, names, config, torch.device("cpu"))
+                for names in groups]
+    for g, (builder, names) in enumerate(zip(builders, groups)):  # group g's rows own blocks 3+g, 4+g, 5+g
+        built = builder.build(0, dataclasses.replace(common, block_table_tensor=common.block_table_tensor + g))
+        assert metadata_hook.state_of(builder).owner is Owner.OP
+        assert built.num_decodes == 3  # vLLM calls the fresh row a decode
+        attn_metadata.update({name: built for name in names})
+    assert all(torch.equal(before[n], layers[n].kv_cache[0]) for n in layers), "zeroed at build"
+    run_ops(attn_metadata)
+    for g, names in enumerate(groups):
+        for name in names:
+            assert changed_slots(before[name], layers[name].kv_cache[0]) == [4 + g], (g, name)
+    cache, slots = layers[groups[0][0]].kv_cache[0], attn_metadata[groups[0][0]].state_indices_tensor_d[:3]
+    q, k, v = qkv(3)
+    out = lightning_decode_stand_in(q, k, v, cache, slots)
+    zero = lightning_decode_stand_in(q[1:2], k[1:2], v[1:2], torch.zeros(1, H, D, D, dtype=torch.float64),
+                                     torch.tensor([0]))
+    assert torch.equal(out[1], zero[0])  # the fresh row reads a zero state
+    if on_the_cuda_path():
+        joint = handoff.joint_activity()
+        assert (joint["steps"] - joint_before["steps"], joint["launches"] - joint_before["launches"]) == (1, 1)
+
+
 @pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
 def test_every_case_again_on_the_cuda_zeroing_path():
     """The cases above with the zeroing CUDA runs: vLLM's device rows, one launch, nothing staged."""
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=11)

@@ -334,3 +334,27 @@ def test_the_rows_check_runs_gdn_pass_s_own_rows_on_the_probe_step_as_vllm_0_34_
     decision = support.decide_for_class(_entry("bailing_linear"), _bailing(), vllm_config(configured=True), CPU)
     assert decision.action == support.REFUSES
     assert decision.why.startswith("rows: gdn-pass's rows of the probe step raised RuntimeError('Inference tensors")
+
+
+def test_each_core_op_family_is_guarded_unless_every_builder_it_reads_stands_down(monkeypatch):
+    """The compile-time question (``guarded_ops.stand_down_reason``), per family of core ops: GDN's
+    and KDA's ops read the GDN builder's layers, and their guarded twins go in where it acts (as
+    that entry decides for the engine: on 0.26-0.30 always); ``vllm::linear_attention`` reads the
+    Lightning builders' layers, unfixed on every release, so its twin always goes in. Judged by
+    vLLM's own builders on this release."""
+    from gdn_pass.opaque_ops import KNOWN_OPAQUE_STATE_OPS
+    from gdn_pass.vllm import guarded_ops
+
+    monkeypatch.setattr(support, "_DECISIONS", {})
+    monkeypatch.setattr(support, "_CLASS_DECISIONS", {})
+    config = vllm_config(configured=True)
+    monkeypatch.setattr("vllm.config.get_current_vllm_config_or_none", lambda: config)
+    families = {spec.family: spec for spec in KNOWN_OPAQUE_STATE_OPS.values()}
+    assert set(families) == {"gdn", "kda", "lightning"}
+    assert [e.key for e in builders.reading("lightning")] == ["bailing_linear", "minimax_linear"]
+    gdn_reason = support.stand_down_reason(builders.GDN, config)
+    if not BUILT_IN_FIX:
+        assert gdn_reason is None
+    for family in ("gdn", "kda"):
+        assert guarded_ops.stand_down_reason(families[family]) == gdn_reason, family
+    assert guarded_ops.stand_down_reason(families["lightning"]) is None

@@ -50,7 +50,7 @@ import sys
 from gdn_pass.vllm.builders import bailing_linear, gdn, kimi_k3_kda, linear_attention
 from gdn_pass.vllm.builders.state_builder import HOOK_MARK, StateBuilder, unhooked_build
 
-__all__ = ["GDN", "HOOK_MARK", "REGISTRY", "StateBuilder", "entry_of", "installed", "registered_base",
+__all__ = ["GDN", "HOOK_MARK", "REGISTRY", "StateBuilder", "entry_of", "installed", "reading", "registered_base",
            "unhooked_build"]
 
 # The registry: one line per builder, each entry made in the builder's own file.
@@ -62,7 +62,12 @@ REGISTRY: tuple[StateBuilder, ...] = (
 )
 
 
-GDN = gdn.ENTRY  # the builder of every layer behind compat.CORE_OPS
+GDN = gdn.ENTRY  # the builder of every GDN/KDA layer behind compat.CORE_OPS
+
+
+def reading(family: str) -> tuple[StateBuilder, ...]:
+    """The entries whose layers the core ops of ``family`` (``compat.CoreOp.family``) read."""
+    return tuple(entry for entry in REGISTRY if family in entry.op_families)
 
 
 def installed() -> list[tuple[StateBuilder, type]]:

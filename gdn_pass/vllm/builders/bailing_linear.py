@@ -25,7 +25,7 @@ ENTRY = StateBuilder(
     class_name="BailingLinearAttentionMetadataBuilder",
     models="Bailing-MoE-v2.5 (Ring/Ling 2.5 linear) and its MTP drafter", state="Lightning state [H, D, D]",
     read_by="vllm::linear_attention (linear_decode_forward_triton, bailing_linear_attention_decode_spec)",
-    rows=linear_attention.linear_rows, guards=("step",), metadata_class="BailingLinearAttentionMetadata",
+    rows=linear_attention.linear_rows, guards=("op", "step"), op_families=("lightning",), metadata_class="BailingLinearAttentionMetadata",
     metadata_fields=("num_decodes", "state_indices_tensor", "state_indices_tensor_d", "query_start_loc",
                      "seq_lens"),
     state_layout="square", architectures=("BailingMoeV2_5ForCausalLM",),

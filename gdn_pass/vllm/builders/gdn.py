@@ -136,7 +136,7 @@ ENTRY = StateBuilder(
     models=("Qwen3-Next, Qwen3.5, OLMo-hybrid, InternS2-Mobius, Bailing-MoE-v3, Kimi-Linear "
             "and their MTP variants"),
     state="conv + recurrent state", read_by="GDN/KDA core ops (compat.CORE_OPS)",
-    rows=gdn_rows, guards=("op", "step"), metadata_class="GDNAttentionMetadata",
+    rows=gdn_rows, guards=("op", "step"), op_families=("gdn", "kda"), metadata_class="GDNAttentionMetadata",
     metadata_fields=METADATA_FIELDS, state_layout="conv + recurrent", device_rows=gdn_decode_rows,
     prefills_draftless_rows=True,
     architectures=("Qwen3NextForCausalLM", "Qwen3NextMTP", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM",

@@ -3,7 +3,9 @@
 MiniMax-Text-01's linear-attention layer (no model of 0.26-0.34 registers
 it), and the base of Bailing's builder (``bailing_linear``), whose rows are
 these too. State per layer: one Lightning ``[H, D, D]``, read inside
-``vllm::linear_attention`` (no guarded op), so the step guard zeroes it.
+``vllm::linear_attention``: the op guard zeroes it in that op's guarded twin
+where the engine compiles (``compat.CORE_OPS``, family ``lightning``), the
+step guard at build elsewhere.
 
 Release facts (0.26-0.34, the same split): the builder counts short extends
 as decodes (``split_decodes_and_prefills`` with threshold 1), and vLLM's own
@@ -73,6 +75,6 @@ ENTRY = StateBuilder(
     key="minimax_linear", module="v1.attention.backends.linear_attn", class_name="LinearAttentionMetadataBuilder",
     models="MiniMax-Text-01's linear-attention layer (no model of 0.26-0.33 registers it)",
     state="Lightning state [H, D, D]", read_by="vllm::linear_attention (linear_decode_forward_triton)",
-    rows=linear_rows, guards=("step",), metadata_class="LinearAttentionMetadata",
+    rows=linear_rows, guards=("op", "step"), op_families=("lightning",), metadata_class="LinearAttentionMetadata",
     metadata_fields=("num_decodes", "state_indices_tensor", "query_start_loc", "seq_lens"),
     state_layout="square", architectures=(), device_rows=linear_decode_rows)

@@ -64,6 +64,9 @@ class StateBuilder:
     # CUDA: the step's decode rows in vLLM's own device tensors (``rows.DecodeRows``), from which
     # one zeroing launch finds the fresh rows itself; None (or a None result): the host stages them.
     device_rows: Callable | None = None
+    # The families of core ops (``compat.CoreOp.family``) that read this builder's layers: the
+    # op guard, in their guarded ops, zeroes what this builder's hook staged.
+    op_families: tuple[str, ...] = ()
     # Imported by the plugin at engine start. False: hooked when vLLM itself first
     # makes one (a subclass of a hooked builder), never imported by gdn-pass.
     eager: bool = True
