@@ -7,8 +7,11 @@ state shapes. A step is built as vLLM's runner builds it: one
 ``CommonAttentionMetadata`` per step (a new view of a persistent host buffer
 for ``query_start_loc_cpu``), shallow-copied per group, then each group's
 ``build``. Qwen3-Next-80B has 36 GDN layers in 3 groups of 12 (the default).
-``--builder bailing``: Bailing-MoE-v2.5's Lightning builders instead (the step
-guard owns them: a step with fresh rows zeroes at build, one launch per group).
+``--builder bailing``: Bailing-MoE-v2.5's Lightning builders instead, behind
+the guarded twin of ``vllm::linear_attention`` as in a compiled engine (the op
+guard owns them); with ``--step-guard`` behind no guarded op, as in an eager
+engine (the step guard owns them: a step with fresh rows zeroes at build, one
+launch per group).
 
 Each case times the same steps with the hook (``builder.build``) and
 without it (``builder.build.__wrapped__``, vLLM's own build), interleaved in
@@ -32,7 +35,8 @@ blocks, and reports per step:
 
     python benchmarks/hook_host_time.py [--groups 3] [--layers-per-group 12]
         [--batches 1 8 64 256] [--padded-batches 5:8 40:64] [--repeat 400] [--breakdown] [--in-context]
-        [--inference-host-tensors] [--forward] [--cuda-path-on-cpu] [--builder gdn|bailing] [--out DIR]
+        [--inference-host-tensors] [--forward] [--cuda-path-on-cpu] [--builder gdn|bailing] [--step-guard]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -54,14 +58,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per_group: int,
-                  kind: str = "gdn", full_graphs_on_cpu: bool = False) -> list:
+                  kind: str = "gdn", full_graphs_on_cpu: bool = False, guarded: bool = True) -> list:
     """``groups`` configured builders of ``kind`` over poisoned-free caches in vLLM's static forward context.
 
     ``gdn``: ``GDNAttentionMetadataBuilder`` over Qwen3-Next's per-layer state shapes, every layer
-    behind a guarded op (a compiled engine's case: the op guard owns the groups). ``bailing``:
-    ``BailingLinearAttentionMetadataBuilder`` (Lightning) over a Bailing-MoE-v2.5 state at hidden
-    2048 (16 heads of 128), whose reads sit behind no guarded op: the step guard owns the groups
-    and zeroes at build."""
+    behind a guarded op. ``bailing``: ``BailingLinearAttentionMetadataBuilder`` (Lightning) over a
+    Bailing-MoE-v2.5 state at hidden 2048 (16 heads of 128). ``guarded``: every layer behind a
+    guarded op (a compiled engine's case: the op guard owns the groups); else none (an eager
+    engine's: the step guard owns them and zeroes at build)."""
     from vllm.config import CompilationConfig, VllmConfig, set_current_vllm_config
     from vllm.v1.kv_cache_interface import MambaSpec
 
@@ -87,12 +91,12 @@ def make_builders(device: torch.device, num_blocks: int, groups: int, layers_per
         from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadataBuilder as builder_class
 
         shapes, dtypes = ((3, 8192), (32, 128, 128)), (torch.bfloat16, torch.float32)
-        suffix, guarded = "linear_attn", True
+        suffix = "linear_attn"
     else:
         from vllm.v1.attention.backends.linear_attn import BailingLinearAttentionMetadataBuilder as builder_class
 
         shapes, dtypes = ((16, 128, 128),), (torch.float32,)
-        suffix, guarded = "attention", False
+        suffix = "attention"
     spec = MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes)
     builders = []
     for group in range(groups):
@@ -153,13 +157,13 @@ class Forward:
     forward does, so that a step with fresh rows makes its zeroing launches here. vLLM's forward
     context is this object's (``get_forward_context`` replaced: what it costs is a global read)."""
 
-    def __init__(self, builders):
+    def __init__(self, builders, family: str = "gdn"):
         import vllm.forward_context
 
         from gdn_pass.vllm import op_guard
         from gdn_pass.vllm.metadata_hook import state_of
 
-        self.zero = op_guard.zero_fresh_state
+        self.zero, self.family = op_guard.zero_fresh_state, family
         # What vLLM gave each builder, as the hook kept it (0.26's builders keep no layer_names)
         contexts = [state_of(b).context for b in builders]
         self.groups = [list(c.layer_names) for c in contexts]
@@ -172,7 +176,7 @@ class Forward:
         self.context.attn_metadata = {n: m for names, m in zip(self.groups, metadata) for n in names}
         for names in self.groups:
             for name in names:
-                self.zero(name)
+                self.zero(name, self.family)
 
 
 def build_step(builders, steps: Steps, hooked: bool, forward: Forward | None = None) -> None:
@@ -536,8 +540,11 @@ def fresh_breakdown(builders, steps: Steps, number: int = 5000) -> dict[str, flo
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--builder", choices=("gdn", "bailing"), default="gdn",
-                    help="gdn: Qwen3-Next's GDN builders (the op guard owns them); bailing: Bailing-MoE-v2.5's "
-                         "Lightning builders (the step guard owns them and zeroes at build)")
+                    help="gdn: Qwen3-Next's GDN builders; bailing: Bailing-MoE-v2.5's Lightning builders. "
+                         "Both behind guarded ops (the op guard owns them) unless --step-guard")
+    ap.add_argument("--step-guard", action="store_true",
+                    help="the layers behind no guarded op, as in an eager engine: the step guard owns the "
+                         "groups and zeroes at build")
     ap.add_argument("--groups", type=int, default=3)
     ap.add_argument("--layers-per-group", type=int, default=12)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64, 256])
@@ -564,16 +571,15 @@ def main():
     ap.add_argument("--inference-host-tensors", action="store_true",
                     help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
-    if args.forward and args.builder != "gdn":
-        ap.error("--forward runs the guarded ops of GDN layers; the Lightning builders' reads have none "
-                 "(the step guard zeroes at build, timed without --forward)")
+    if args.forward and args.step_guard:
+        ap.error("--forward runs the guarded ops, which --step-guard leaves out (the step guard zeroes at build)")
     cuda = torch.cuda.is_available()
     if args.cuda_path_on_cpu:
         if cuda or args.forward:
             ap.error("--cuda-path-on-cpu is for a CPU-only machine, without --forward")
-        if args.builder != "gdn":
-            ap.error("--cuda-path-on-cpu times deferred GDN builds; the Lightning builders' step guard "
-                     "launches its zeroing at build, which cannot run on a CPU: run without it")
+        if args.step_guard:
+            ap.error("--cuda-path-on-cpu times deferred builds; the step guard launches its zeroing at "
+                     "build, which cannot run on a CPU: run without it")
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "vllm"))
         import cuda_zeroing
 
@@ -584,8 +590,9 @@ def main():
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
     builders = make_builders(device, max([*args.batches, *(p for _, p in padded)]) + 2, args.groups,
-                             args.layers_per_group, args.builder, full_graphs_on_cpu=args.cuda_path_on_cpu)
-    forward = Forward(builders) if args.forward else None
+                             args.layers_per_group, args.builder, full_graphs_on_cpu=args.cuda_path_on_cpu,
+                             guarded=not args.step_guard)
+    forward = Forward(builders, "gdn" if args.builder == "gdn" else "lightning") if args.forward else None
     rows = []
     cases = [(batch, fresh, None) for batch in args.batches for fresh in sorted({0, 1, batch // 2})]
     cases += [(real, 0, padded_to) for real, padded_to in padded]
@@ -626,7 +633,7 @@ def main():
     result = dict(command="python benchmarks/hook_host_time.py " + " ".join(sys.argv[1:]), commit=commit,
                   builder=args.builder, groups=args.groups, layers_per_group=args.layers_per_group,
                   inference_host_tensors=args.inference_host_tensors, forward=args.forward,
-                  cuda_path_on_cpu=args.cuda_path_on_cpu,
+                  cuda_path_on_cpu=args.cuda_path_on_cpu, step_guard=args.step_guard,
                   device=torch.cuda.get_device_name() if cuda else "cpu", vllm=vllm.__version__,
                   torch=torch.__version__, rows=rows, idle_breakdown_us=breakdown,
                   deferred_breakdown_us=deferred_lines, fresh_breakdown_us=fresh_lines, in_context_us=context)
@@ -636,6 +643,7 @@ def main():
              + (", host tensors made under inference mode (vLLM 0.34's V2 runner)" if args.inference_host_tensors
                 else "")
              + (", hook us/step with every layer's guarded op (the op guard's launches)" if args.forward else "")
+             + (", the step guard's groups (no guarded op)" if args.step_guard else "")
              + (", the guards' CUDA path on CPU (a cache table of the CPU caches)" if args.cuda_path_on_cpu else ""),
              "",
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
