@@ -250,7 +250,7 @@ def _wrap(entry: builders.StateBuilder, cls: type) -> None:
 # steps), with the same checks as ``_guard_step``'s deferred branch in the same order; and a build
 # that changes nothing before vLLM's and is not deferred (the step guard's groups, CPU engines),
 # which checks its step at once as ``_check_step`` does (``_attach_idle``; a step with a new row
-# goes on to ``_check_step``). Every other build goes to the generic wrapper, each argument by keyword.
+# goes on to ``_stage_new_step``). Every other build goes to the generic wrapper, each argument by keyword.
 _OWN_PARAMETERS_TEMPLATE = """
 def make(entry, original_build, generic_build, {defaults}):
     def build({self}, {declared}):
@@ -266,7 +266,8 @@ def make(entry, original_build, generic_build, {defaults}):
             metadata = original_build({self}, {forward})
             if state.idle is not None and _attach_idle(state, common_attn_metadata, metadata):
                 return metadata
-            return _check_step({self}, state, original_build, (), {{{by_name}}}, metadata)
+            return _stage_new_step({self}, state, original_build, (), {{{by_name}}}, metadata,
+                                   common_attn_metadata, _UNREAD)
         if state.capture_builds or common_attn_metadata.max_query_len > 1 or captured_staged_rows():
             return generic_build({self}, {by_keyword})
         metadata = original_build({self}, {forward})
@@ -333,7 +334,7 @@ def _own_parameters_build(entry: builders.StateBuilder, original_build, generic_
 _TEMPLATE_NAMES = frozenset({
     "make", "build", "entry", "original_build", "generic_build", "state", "deferred", "metadata", "accepted_counts",
     "captured_staged_rows", "defer", "getattr", "setattr", "_group_state", "_BUILD_INPUTS", "_BUILDER_STATE",
-    "_attach_idle", "_check_step"})
+    "_attach_idle", "_stage_new_step", "_UNREAD"})
 
 
 def _mark_capture_builds(cls: type) -> None:
@@ -410,6 +411,14 @@ def _check_step(builder, state: BuilderState, original_build, args: tuple, kwarg
             common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     if state.idle is not None and _attach_idle(state, common, metadata):
         return metadata
+    return _stage_new_step(builder, state, original_build, args, kwargs, metadata, common, draft_counts)
+
+
+def _stage_new_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata, common,
+                    draft_counts):
+    """``_stage_step``, once the step is known to need it (a new row, or the builder's first build):
+    the step is not checked again (under vLLM 0.34's inference host tensors the check recomputes the
+    step's rows, 7.5 us a build on the GPU host)."""
     try:
         return _stage_step(builder, state, original_build, args, kwargs, metadata, common, draft_counts)
     finally:

@@ -116,3 +116,11 @@ def test_a_build_checked_at_once_runs_in_the_wrapper_alone(monkeypatch):
     idle = builder.build(common_prefix_len=0, common_attn_metadata=step_of([10, 1, 31], [1, 1, 1], [3, 4, 5]))
     assert handoff_of(idle) is state.idle and handoff_of(idle).host_fresh == 0
     assert all(not cache.eq(0).any() for name in LAYERS for cache in layers[name].kv_cache), "zeroed a slot"
+    # A later step with a new row: checked once (the check can recompute the step's rows), then zeroed.
+    checks = []
+    real_check = metadata_hook.has_new_rows
+    monkeypatch.setattr(metadata_hook, "has_new_rows", lambda common: checks.append(common) or real_check(common))
+    again = builder.build(common_prefix_len=0, common_attn_metadata=step_of([11, 0, 32], [1, 1, 1], [3, 4, 5]))
+    assert len(checks) == 1, f"the step was checked {len(checks)} times in one build"
+    assert handoff_of(again).zeroed_at_build and handoff_of(again).host_fresh == 1
+    assert all(cache[FRESH_SLOT].eq(0).all() for name in LAYERS for cache in layers[name].kv_cache)
