@@ -130,8 +130,8 @@ class HookClock:
 
     ``seconds`` sums what the hook does after vLLM's own build, as the functions
     its build wrappers call (``HOOK_FUNCTIONS``): ``_guard_step`` (the generic
-    wrapper's path), ``_attach_idle`` and ``_check_step`` (a build checked at
-    once), ``defer`` (a deferred build; the wrapper's own few checks before it
+    wrapper's path), ``_attach_idle``, ``_check_step`` and ``_stage_new_step`` (a
+    build checked at once), ``defer`` (a deferred build; the wrapper's own few checks before it
     are not timed), and the split kept on the decode path of 0.31+'s builder,
     ``_one_token_step_as_decodes``, where it runs. A call inside another of
     them is not counted again. ``by_function`` times
@@ -164,7 +164,8 @@ class HookClock:
         for owner, name, label in timed:
             setattr(owner, name, self._timed(getattr(owner, name), label))
 
-    HOOK_FUNCTIONS = ("_guard_step", "_attach_idle", "_check_step", "defer", "_one_token_step_as_decodes")
+    HOOK_FUNCTIONS = ("_guard_step", "_attach_idle", "_check_step", "_stage_new_step", "defer",
+                      "_one_token_step_as_decodes")
 
     def _timed(self, fn, name: str):
         @functools.wraps(fn)
