@@ -105,7 +105,7 @@ class HookSwitch:
         guarded_ops.zero_fresh_state = self.clock.timed(guarded_ops.zero_fresh_state, "op_guard")
 
     def set(self, on: bool) -> None:
-        from gdn_pass.vllm import support
+        from gdn_pass.vllm import builders, support
 
         for cls, hooked in self.hooked.items():
             cls.build = self.clock.timed(hooked if on else hooked.__wrapped__, "builds")
@@ -114,7 +114,8 @@ class HookSwitch:
         if on:
             stood_down.difference_update(self._added)
         else:
-            self._added = {"gdn"} - stood_down
+            # every entry: an op family's guarded ops pass through only where all its builders stood down
+            self._added = {entry.key for entry in builders.REGISTRY} - stood_down
             stood_down.update(self._added)
         self.on = on
 
