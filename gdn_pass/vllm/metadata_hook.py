@@ -65,8 +65,8 @@ import torch
 
 from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import (accepted_counts, builders, compat, draftless_steps, plugin, prompt_chunks, step_guard,
-                           support)
+from gdn_pass.vllm import (accepted_counts, builders, compat, draftless_steps, piecewise, prompt_chunks,
+                           step_guard, support)
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, captured_staged_rows, defer, join
 from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
@@ -610,7 +610,7 @@ def _decide_owner(state: BuilderState) -> step_guard.Owner:
     uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
     if (owner is _STEP and uncovered and "op" in entry.guards and not micro_batched and not state.step_guard_only
             and compat.engine_compiles(context.vllm_config) and compat.splits_graphs(context.vllm_config)
-            and plugin.installed_by_the_pass()):
+            and piecewise.installed_after_a_split()):
         _warn_once(
             "split-before-plugin",
             "gdn-pass: its vLLM plugin was not loaded before this engine split its graph (the "

@@ -12,7 +12,7 @@ the core pass (``gdn_pass.vllm.registration``).
 
 from __future__ import annotations
 
-__all__ = ["install", "installed_by_the_pass", "register"]
+__all__ = ["install", "register"]
 
 
 def install(*, by_the_pass: bool = False) -> None:
@@ -22,24 +22,12 @@ def install(*, by_the_pass: bool = False) -> None:
 
     ``by_the_pass``: asked by the configured pass as Inductor runs it, which in a
     process that did not load the entry point is after vLLM split the graph
-    (``installed_by_the_pass``)."""
+    (``piecewise.installed_after_a_split``)."""
     from gdn_pass.vllm import guarded_ops, metadata_hook, piecewise
 
     guarded_ops.define_on_lookup()
     metadata_hook.install()
-    if piecewise.install() and by_the_pass:
-        _BY_THE_PASS[0] = True
-
-
-# Whether the pass, not the entry point (or a caller of ``install``), first installed the split guard.
-_BY_THE_PASS = [False]
-
-
-def installed_by_the_pass() -> bool:
-    """Whether this process's split guard was installed by the pass from inside a compile: vLLM
-    then split the engine's first graph without it, and the state ops split out of it run
-    unguarded (their groups fall to the step guard, ``metadata_hook._decide_owner``)."""
-    return _BY_THE_PASS[0]
+    piecewise.install(by_the_pass=by_the_pass)
 
 
 def register() -> None:

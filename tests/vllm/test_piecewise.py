@@ -163,14 +163,14 @@ def test_a_plugin_not_loaded_before_the_split_leaves_the_split_ops_to_the_step_g
     split the graph by then, and the stitching submodule calls the op unguarded (here the stale
     slot leaks: no builder's step guard runs in this test). The process records it, so that the
     first build says why its groups fall to the step guard (``test_step_guard``)."""
-    from gdn_pass.vllm import piecewise, plugin
+    from gdn_pass.vllm import piecewise
 
     backends = piecewise._backends()
     monkeypatch.setattr(backends, "split_graph", backends.split_graph.__wrapped__)
     monkeypatch.setattr(backends.VllmBackend, "__call__", backends.VllmBackend.__call__.__wrapped__)
-    monkeypatch.setattr(plugin, "_BY_THE_PASS", [False])
+    monkeypatch.setattr(piecewise, "_AFTER_A_SPLIT", [False])
     out = run_fresh_row_on_stale_slot(piecewise_config(True, backend="inductor"))
     torch.testing.assert_close(out, torch.full((4,), 3.0 + 6.0 * 32))  # split out before the guard
-    assert plugin.installed_by_the_pass() and piecewise.is_installed()
+    assert piecewise.installed_after_a_split() and piecewise.is_installed()
     out = run_fresh_row_on_stale_slot(piecewise_config(True, backend="inductor"))  # a later engine's split
     torch.testing.assert_close(out, torch.full((4,), 3.0))

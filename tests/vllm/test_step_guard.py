@@ -218,9 +218,9 @@ def test_a_split_engine_without_the_plugin_says_why_the_step_guard_owns_it(
     reached is a layout (Kimi-Linear's): no warning."""
     from vllm.config import CompilationMode
 
-    from gdn_pass.vllm import plugin
+    from gdn_pass.vllm import piecewise
 
-    monkeypatch.setattr(plugin, "_BY_THE_PASS", [by_the_pass])
+    monkeypatch.setattr(piecewise, "_AFTER_A_SPLIT", [by_the_pass])
     monkeypatch.setattr(metadata_hook, "_warned", set())
     builder, layers = engine(monkeypatch, compiled=True)
     cc = metadata_hook.state_of(builder).context.vllm_config.compilation_config
