@@ -65,8 +65,7 @@ import torch
 
 from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import (accepted_counts, builders, compat, draftless_steps, piecewise, prompt_chunks,
-                           step_guard, support)
+from gdn_pass.vllm import accepted_counts, builders, compat, draftless_steps, prompt_chunks, step_guard, support
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, captured_staged_rows, defer, join
 from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
@@ -608,16 +607,6 @@ def _decide_owner(state: BuilderState) -> step_guard.Owner:
         context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config)
         and not micro_batched and not state.step_guard_only)
     uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
-    if (owner is _STEP and uncovered and "op" in entry.guards and not micro_batched and not state.step_guard_only
-            and compat.engine_compiles(context.vllm_config) and compat.splits_graphs(context.vllm_config)
-            and piecewise.installed_after_a_split()):
-        _warn_once(
-            "split-before-plugin",
-            "gdn-pass: its vLLM plugin was not loaded before this engine split its graph (the "
-            "'gdn_pass' entry point of vllm.general_plugins: install gdn-pass with pip, and where "
-            "VLLM_PLUGINS is set, include gdn_pass in it). The state ops vLLM split out run "
-            "unguarded: the step guard zeroes their groups' fresh slots at metadata build instead "
-            "(one launch per group and step with fresh rows, replayed FULL CUDA graphs included)")
     logger.info(
         "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
         "by the op guard (the guarded ops in the compiled graph)" if owner is step_guard.Owner.OP
