@@ -313,6 +313,16 @@ def engine_compiles(vllm_config) -> bool:
     return int(mode or 0) != 0
 
 
+def splits_graphs(vllm_config) -> bool:
+    """Does this engine cut its Dynamo graph at splitting ops (``VLLM_COMPILE`` piecewise), calling
+    each from a stitching submodule that no Inductor pass sees? False with ``splitting_ops=[]``
+    and with Inductor graph partition, where the ops stay inside the compiled graph."""
+    cc = vllm_config.compilation_config
+    return (engine_compiles(vllm_config) and int(getattr(cc, "mode", 0) or 0) == 3  # VLLM_COMPILE
+            and bool(getattr(cc, "splitting_ops", None))
+            and not getattr(cc, "use_inductor_graph_partition", False))
+
+
 def micro_batched(vllm_config) -> bool:
     """Does this engine split a step into micro-batches (dual-batch overlap, ``ubatch_size > 1``)?
 

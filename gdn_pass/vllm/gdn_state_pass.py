@@ -35,7 +35,7 @@ class VllmGDNStatePass(state_pass.GDNStatePass, compat.inductor_pass_base()):
 
     def __call__(self, graph):
         # In-process engines may not have loaded plugins yet; installing is idempotent.
-        install()
+        install(by_the_pass=True)
         super().__call__(graph)
 
 

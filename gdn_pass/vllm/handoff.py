@@ -186,6 +186,9 @@ class JointZeroing:
 # weak reference: its hand-offs (on the step's metadata) keep it while the step lives, and nothing
 # here keeps an engine's caches (in their tables) past it.
 _joining: list[Callable[[], JointZeroing | None]] = [lambda: None]
+# While ``resolve_deferred`` resolves one step's deferred builds: True, then the joint they join
+# (made by the first that joins); None otherwise.
+_resolving: list[JointZeroing | bool | None] = [None]
 # What joint zeroings did in this process, for reports and tests (``joint_activity``).
 _JOINT_ACTIVITY = {"steps": 0, "groups": 0, "launches": 0}
 
@@ -206,11 +209,16 @@ def join(step, handoff: StepHandoff) -> StepHandoff:
     """Join ``handoff`` (a group's, built for ``step``) to that step's ``JointZeroing``; return it.
 
     The builds of a step come one after another, before its forward: a step
-    object other than the last one's starts a new joint."""
-    joint = _joining[0]()
-    if joint is None or joint.step is not step or joint.done:
-        joint = JointZeroing(step)
-        _joining[0] = weakref.ref(joint)
+    object other than the last one's starts a new joint. Deferred builds resolved
+    together (``resolve_deferred``) join that resolution's joint."""
+    joint = _resolving[0]
+    if joint is True:
+        joint = _resolving[0] = JointZeroing(step)
+    elif joint is None:
+        joint = _joining[0]()
+        if joint is None or joint.step is not step or joint.done:
+            joint = JointZeroing(step)
+            _joining[0] = weakref.ref(joint)
     joint.handoffs.append(handoff)
     handoff.joint = joint
     return handoff
@@ -271,11 +279,18 @@ def resolve_deferred(metadata, *, capturing: bool = False) -> StepHandoff:
     _deferred.clear()
     _deferred_metadata.clear()
     _DEFERRAL_ACTIVITY["resolved_steps"] += 1
-    for pending, other in noted:
-        if other is not None and getattr(other, ATTR, None) is pending:
-            pending.resolve(other, capturing)
-    handoff = getattr(metadata, ATTR)
-    return handoff.resolve(metadata, capturing) if handoff.resolve is not None else handoff
+    # The builds resolved here are one step's: they join one JointZeroing whether or not their
+    # step can be told by its host tensors (vLLM 0.34's inference tensors give every build its
+    # own SchedulerRows, rows.scheduler_rows, and ``join`` would start a joint per group).
+    _resolving[0] = True
+    try:
+        for pending, other in noted:
+            if other is not None and getattr(other, ATTR, None) is pending:
+                pending.resolve(other, capturing)
+        handoff = getattr(metadata, ATTR)
+        return handoff.resolve(metadata, capturing) if handoff.resolve is not None else handoff
+    finally:
+        _resolving[0] = None
 
 
 def _same(value):

@@ -65,7 +65,8 @@ import torch
 
 from gdn_pass.kernels.zero_rows import CacheTable
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import accepted_counts, builders, compat, draftless_steps, prompt_chunks, step_guard, support
+from gdn_pass.vllm import (accepted_counts, builders, compat, draftless_steps, piecewise, prompt_chunks,
+                           step_guard, support)
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
 from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, captured_staged_rows, defer, join
 from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
@@ -603,17 +604,25 @@ def _decide_owner(state: BuilderState) -> step_guard.Owner:
     # Micro-batched steps hand the op guard one metadata dict per micro-batch: the step guard
     # zeroes each micro-batch's fresh rows at its own build instead.
     micro_batched = compat.micro_batched(context.vllm_config)
+    op_guarded = "op" in entry.guards and not micro_batched and not state.step_guard_only
     owner = step_guard.decide_owner(
-        context.layer_names, compiled="op" in entry.guards and compat.engine_compiles(context.vllm_config)
-        and not micro_batched and not state.step_guard_only)
+        context.layer_names, compiled=op_guarded and compat.engine_compiles(context.vllm_config))
     uncovered = sorted(set(context.layer_names) - step_guard.guarded_layers())
+    # Layers the op guard could have had but no guarded op reached (splits_graphs: a compiling engine).
+    missed_op = owner is _STEP and op_guarded and bool(uncovered)
+    if missed_op and compat.splits_graphs(context.vllm_config) and piecewise.installed_after_a_split():
+        _warn_once(
+            "split-before-plugin",
+            "gdn-pass: its vLLM plugin was not loaded before this engine split its graph (the "
+            "'gdn_pass' entry point of vllm.general_plugins: install gdn-pass with pip, and where "
+            "VLLM_PLUGINS is set, include gdn_pass in it). The state ops vLLM split out run "
+            "unguarded: the step guard zeroes their groups' fresh slots at metadata build instead "
+            "(one launch per group and step with fresh rows, replayed FULL CUDA graphs included)")
     logger.info(
         "gdn-pass: %d %s layer(s) of this group guarded %s%s", len(context.layer_names), entry.key,
         "by the op guard (the guarded ops in the compiled graph)" if owner is step_guard.Owner.OP
         else "by the step guard at metadata build (one zeroing launch per step with fresh rows)",
-        f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}"
-        if owner is step_guard.Owner.STEP and uncovered and "op" in entry.guards and not micro_batched
-        and not state.step_guard_only
+        f"; no guarded op ran for {uncovered[:3]}{'...' if len(uncovered) > 3 else ''}" if missed_op
         else "; micro-batched steps (dual-batch overlap)" if micro_batched else "")
     return owner
 

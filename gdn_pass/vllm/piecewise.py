@@ -21,7 +21,7 @@ import functools
 
 from gdn_pass.vllm.configured import configured_pass
 
-__all__ = ["install", "is_installed"]
+__all__ = ["install", "installed_after_a_split", "is_installed"]
 
 _MARK = "__gdn_pass_wrapped__"
 _BACKEND_CONFIG: contextvars.ContextVar = contextvars.ContextVar("gdn_pass_vllm_config", default=None)
@@ -37,8 +37,19 @@ def is_installed() -> bool:
     return getattr(getattr(_backends(), "split_graph", None), _MARK, False)
 
 
-def install() -> bool:
-    """Wrap vLLM's ``split_graph`` and ``VllmBackend.__call__`` (idempotent)."""
+def installed_after_a_split() -> bool:
+    """Whether the configured pass installed this guard itself, from inside a compile (the plugin's
+    entry point not loaded): vLLM had split that engine's graph without it, and the state ops split
+    out of it run unguarded (their groups fall to the step guard, ``metadata_hook._decide_owner``)."""
+    return _AFTER_A_SPLIT[0]
+
+
+_AFTER_A_SPLIT = [False]
+
+
+def install(*, by_the_pass: bool = False) -> bool:
+    """Wrap vLLM's ``split_graph`` and ``VllmBackend.__call__`` (idempotent); True where it wrapped
+    them now. ``by_the_pass``: the configured pass asks, as Inductor runs it (``installed_after_a_split``)."""
     backends = _backends()
     if not hasattr(backends, "split_graph") or not hasattr(backends, "VllmBackend"):
         from gdn_pass._logging import logger
@@ -75,6 +86,7 @@ def install() -> bool:
     setattr(split_graph, _MARK, True)
     backends.split_graph = split_graph
     backends.VllmBackend.__call__ = backend_call
+    _AFTER_A_SPLIT[0] = by_the_pass
     return True
 
 

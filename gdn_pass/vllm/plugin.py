@@ -15,15 +15,19 @@ from __future__ import annotations
 __all__ = ["install", "register"]
 
 
-def install() -> None:
+def install(*, by_the_pass: bool = False) -> None:
     """Install gdn-pass's vLLM hooks in this process (idempotent): the per-row
     metadata hook, and the guard for GDN core ops that piecewise compilation
-    splits out of the compiled graphs."""
+    splits out of the compiled graphs.
+
+    ``by_the_pass``: asked by the configured pass as Inductor runs it, which in a
+    process that did not load the entry point is after vLLM split the graph
+    (``piecewise.installed_after_a_split``)."""
     from gdn_pass.vllm import guarded_ops, metadata_hook, piecewise
 
     guarded_ops.define_on_lookup()
     metadata_hook.install()
-    piecewise.install()
+    piecewise.install(by_the_pass=by_the_pass)
 
 
 def register() -> None:

@@ -138,6 +138,33 @@ def test_builds_read_no_rows_and_the_first_guarded_op_zeroes_every_group(monkeyp
 
 
 @needs_a_table
+def test_inference_host_tensors_still_give_the_step_one_launch(monkeypatch, guarded, zero_calls):
+    """vLLM 0.34's V2 runner makes its host tensors under ``inference_mode``: they keep no version
+    counter, so each build gets the step's rows of its own (``rows.scheduler_rows``) and no build
+    can tell that another's step is its own. The deferred builds the step's first guarded op
+    resolves are one step's all the same: one launch for the three groups (at 7a3255f, one per
+    group: 5 launches a step for 12-layer Bailing on the H100, ``hook_host_time.md``)."""
+    from gdn_pass.vllm import rows
+
+    monkeypatch.setattr(rows, "_inference_host", [False])
+    built, layers = three_groups(monkeypatch)
+    joint_launches = []
+    original = handoff.zero_new_rows_groups
+    monkeypatch.setattr(handoff, "zero_new_rows_groups",
+                        lambda tables, *a: joint_launches.append(len(tables)) or original(tables, *a))
+    with torch.inference_mode():
+        step = bug_step()
+    assert step.query_start_loc_cpu.is_inference()
+    zero_calls.clear()
+    metadata = build_step(built, step)
+    assert all(deferred(md) for md in metadata.values())
+    forward(monkeypatch, layers, metadata)
+    assert_new_rows_zeroed(layers)
+    assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a cache zeroed twice or never"
+    assert joint_launches == [3], "not one launch for the step's three groups"
+
+
+@needs_a_table
 def test_the_wrapper_of_builds_own_parameters_defers_by_itself(monkeypatch, guarded, zero_calls):
     """A deferred build is the whole of a replayed step's host work: the wrapper with ``build``'s own
     parameters defers it without the generic wrapper or ``_guard_step`` (the cases above and below
@@ -272,4 +299,4 @@ def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, gu
 
 def test_every_case_again_on_the_cuda_zeroing_path(monkeypatch, guarded):
     skip_where_builds_keep_decodes([engine(monkeypatch, compiled=True, layer_names=GROUPS[0], full_graphs=True)])
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=11)

@@ -154,3 +154,23 @@ def test_full_graph_modes_guard_inside_the_one_graph(known_test_op, inductor_on_
         (OP, LAYER, True)]
     record(TEST_OP_ROW, f"VLLM_COMPILE {mode}", status="note", cell="guarded (in the graph)",
            detail="the stale slot leaks without the pass; vLLM's backend + Inductor on CPU, test core op")
+
+
+def test_a_plugin_not_loaded_before_the_split_leaves_the_split_ops_to_the_step_guard(
+        known_test_op, inductor_on_cpu, monkeypatch):
+    """Without the entry point (VLLM_PLUGINS set without gdn_pass, or gdn-pass not pip-installed),
+    the pass installs the plugin's hooks itself when Inductor first runs it, on a piece: vLLM has
+    split the graph by then, and the stitching submodule calls the op unguarded (here the stale
+    slot leaks: no builder's step guard runs in this test). The process records it, so that the
+    first build says why its groups fall to the step guard (``test_step_guard``)."""
+    from gdn_pass.vllm import piecewise
+
+    backends = piecewise._backends()
+    monkeypatch.setattr(backends, "split_graph", backends.split_graph.__wrapped__)
+    monkeypatch.setattr(backends.VllmBackend, "__call__", backends.VllmBackend.__call__.__wrapped__)
+    monkeypatch.setattr(piecewise, "_AFTER_A_SPLIT", [False])
+    out = run_fresh_row_on_stale_slot(piecewise_config(True, backend="inductor"))
+    torch.testing.assert_close(out, torch.full((4,), 3.0 + 6.0 * 32))  # split out before the guard
+    assert piecewise.installed_after_a_split() and piecewise.is_installed()
+    out = run_fresh_row_on_stale_slot(piecewise_config(True, backend="inductor"))  # a later engine's split
+    torch.testing.assert_close(out, torch.full((4,), 3.0))

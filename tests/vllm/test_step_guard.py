@@ -208,6 +208,34 @@ def test_compiled_engine_with_a_layer_no_guarded_op_reaches_is_guarded_at_build(
     assert {who for who, _ in zero_calls} == {"step"}
 
 
+@pytest.mark.parametrize("by_the_pass", [True, False])
+def test_a_split_engine_without_the_plugin_says_why_the_step_guard_owns_it(
+        monkeypatch, guarded, zero_calls, caplog, by_the_pass):
+    """An engine that split its graph before the plugin's hooks were installed (its entry point not
+    loaded; the pass installed them from inside a compile, ``test_piecewise``) calls the split-out
+    ops unguarded: no guarded op runs, so the step guard owns every group and zeroes at build, and
+    the first build says why, with what to do. Where the hooks came first, a layer no guarded op
+    reached is a layout (Kimi-Linear's): no warning."""
+    from vllm.config import CompilationMode
+
+    from gdn_pass.vllm import piecewise
+
+    monkeypatch.setattr(piecewise, "_AFTER_A_SPLIT", [by_the_pass])
+    monkeypatch.setattr(metadata_hook, "_warned", set())
+    builder, layers = engine(monkeypatch, compiled=True)
+    cc = metadata_hook.state_of(builder).context.vllm_config.compilation_config
+    cc.mode, cc.splitting_ops = CompilationMode.VLLM_COMPILE, ["vllm::gdn_attention_core"]  # piecewise
+    warm_up(monkeypatch, layers, covered=[])  # the split-out ops: unguarded, nothing noted
+    with caplog.at_level("WARNING", logger="gdn_pass"):
+        metadata = builder.build(common_prefix_len=0, common_attn_metadata=bug_step())
+    assert metadata_hook.state_of(builder).owner is Owner.STEP
+    said = [r.getMessage() for r in caplog.records if "was not loaded before this engine split" in r.getMessage()]
+    assert len(said) == by_the_pass and all("VLLM_PLUGINS" in m and "step guard" in m for m in said)
+    forward(monkeypatch, layers, metadata, covered=[])
+    assert_only_fresh_slot_zeroed(layers)
+    assert {who for who, _ in zero_calls} == {"step"}
+
+
 def test_step_without_fresh_rows_launches_nothing(monkeypatch, guarded, zero_calls):
     builder, layers = engine(monkeypatch, compiled=False)
     decodes = common_metadata([9, 4, 30], [1, 1, 1])
@@ -296,4 +324,4 @@ def test_decide_owner():
 
 @pytest.mark.skipif(on_the_cuda_path(), reason="this is the CUDA path's run")
 def test_every_case_again_on_the_cuda_zeroing_path():
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=10)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=12)
