@@ -195,6 +195,9 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
         window(engine, rng, fresh, warmup, switch.clock)
         return max_tokens - 4 - warmup
 
+    from gdn_pass.vllm import handoff
+
+    joint_before = handoff.joint_activity()
     tokens_left = new_decoders(0)
     on, off, ratios, thread_ratios = [], [], [], []
     host_us, builds_us, guard_us, stood_down_guard_us = [], [], [], []
@@ -223,6 +226,9 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
     engine.abort_request(decoders)
     while engine.has_unfinished_requests():
         engine.step()
+    # The op guard's zeroing in the case's steps with the hook on (its counters): steps whose groups
+    # it zeroed together, over how many groups, in how many launches (one per step where joined).
+    joint = {k: v - joint_before[k] for k, v in handoff.joint_activity().items()}
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     low, high = median_interval(ratios)
     thread_low, thread_high = median_interval(thread_ratios)
@@ -237,7 +243,8 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
                 hook_us=round(statistics.median(host_us), 2),
                 hook_us_ci95=[round(v, 2) for v in median_interval(host_us)],
                 builds_us=round(statistics.median(builds_us), 2), op_guard_us=round(statistics.median(guard_us), 2),
-                stood_down_op_guard_us=round(statistics.median(stood_down_guard_us), 2))
+                stood_down_op_guard_us=round(statistics.median(stood_down_guard_us), 2),
+                joint_steps=joint["steps"], joint_groups=joint["groups"], joint_launches=joint["launches"])
 
 
 def render(result: dict) -> str:
@@ -245,8 +252,9 @@ def render(result: dict) -> str:
              f"{result['device']}, vLLM {result['vllm']}, torch {result['torch']}, commit {result['commit']}",
              "", "| B | fresh | on ms/step | off ms/step | on/off (median) | 95% CI of the median | quartiles "
              "| extremes | engine thread's CPU time on/off (95% CI) | hook's host time, us/step (95% CI) "
-             "| of it at build / in the op guard | the guarded ops' calls where off, us | pairs x steps |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| of it at build / in the op guard | the guarded ops' calls where off, us | pairs x steps "
+             "| the op guard's zeroing: steps, groups, launches |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         (low, high), (t_low, t_high) = r["ratio_ci95"], r["thread_ratio_ci95"]
         h_low, h_high = r["hook_us_ci95"]
@@ -255,7 +263,8 @@ def render(result: dict) -> str:
                      f"{r['ratio_min']:.4f}-{r['ratio_max']:.4f} | x{r['thread_ratio']:.4f} ({t_low:.4f}-{t_high:.4f}) | "
                      f"{r['hook_us']:.1f} ({h_low:.1f}-{h_high:.1f}) | {r['builds_us']:.1f} / {r['op_guard_us']:.1f} | "
                      f"{r['stood_down_op_guard_us']:.1f} | "
-                     f"{r['pairs']} x {r['window_steps']} |")
+                     f"{r['pairs']} x {r['window_steps']} | "
+                     f"{r.get('joint_steps', '')}, {r.get('joint_groups', '')}, {r.get('joint_launches', '')} |")
     return "\n".join(lines) + "\n"
 
 

@@ -227,6 +227,19 @@ def split_idle_us(builders, steps: Steps, repeat: int, sync) -> tuple[float, flo
     return statistics.median(first), statistics.median(later)
 
 
+def step_activity(builders, steps: Steps, forward: Forward) -> dict:
+    """What one hooked step with ``forward`` did (``--forward``), counted by the guards themselves:
+    ``deferred``, whether a guarded op resolved the step's deferred builds (they are deferred in an
+    engine that captures FULL graphs); ``launches``, the op guard's zeroing launches (one where the
+    step's groups were zeroed together)."""
+    from gdn_pass.vllm import handoff
+
+    joint, deferral = handoff.joint_activity(), handoff.deferral_activity()
+    build_step(builders, steps, True, forward)
+    return dict(deferred=handoff.deferral_activity()["resolved_steps"] - deferral["resolved_steps"],
+                launches=handoff.joint_activity()["launches"] - joint["launches"])
+
+
 def busy_step_us(builders, steps: Steps, forward: Forward | None = None) -> float:
     """Host time of one step's hooked builds enqueued behind 2 ms of GPU work."""
     torch.cuda.synchronize()
@@ -607,6 +620,8 @@ def main():
             row["padded_to"] = padded_to
         if cuda and fresh:
             row["busy_us"] = round(busy_step_us(builders, steps, forward), 1)
+        if forward is not None:
+            row.update(step_activity(builders, steps, forward))
         if not fresh:
             first_us, later_us = split_idle_us(builders, steps, args.repeat, sync)
             row.update(first_build_us=round(first_us, 1), later_build_us=round(later_us, 1))
@@ -647,11 +662,12 @@ def main():
              + (", the guards' CUDA path on CPU (a cache table of the CPU caches)" if args.cuda_path_on_cpu else ""),
              "",
              "| B | fresh | vLLM builds us/step | hook us/step | of it: first build / each later build, us "
-             "| one step behind 2 ms of GPU work, us |",
-             "|---|---|---|---|---|---|"]
+             "| one step behind 2 ms of GPU work, us |" + (" deferred, zeroing launches (one step) |" if forward else ""),
+             "|---|---|---|---|---|---|" + ("---|" if forward else "")]
     table += [f"| {r['batch']}{' -> ' + str(r['padded_to']) if 'padded_to' in r else ''} | {r['fresh']} | {r['vllm_us']} | {r['hook_us']} | "
               + (f"{r['first_build_us']} / {r['later_build_us']}" if "first_build_us" in r else "")
-              + f" | {r.get('busy_us', '')} |" for r in rows]
+              + f" | {r.get('busy_us', '')} |"
+              + (f" {'yes' if r['deferred'] else 'no'}, {r['launches']} |" if forward else "") for r in rows]
     if context:
         parts = list(next(iter(context.values())))
         table += ["", "Inside real steps without new rows: what each part adds to the step (median over "
