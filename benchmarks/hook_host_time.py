@@ -579,8 +579,9 @@ def main():
     ap.add_argument("--cuda-path-on-cpu", action="store_true",
                     help="CPU only: the builds take the guards' CUDA path (a cache table of the CPU caches, as "
                          "tests/vllm/cuda_zeroing.py makes it: vLLM's decode rows handed on, nothing staged) in an "
-                         "engine that captures FULL CUDA graphs; builds only, as a replayed FULL graph's step "
-                         "(the launch would run in Triton's interpreter)")
+                         "engine that captures FULL CUDA graphs; builds only, as a replayed FULL graph's step, or with "
+                         "--forward the guarded ops too, their launches counted, not run (they would run in "
+                         "Triton's interpreter)")
     ap.add_argument("--inference-host-tensors", action="store_true",
                     help="host tensors made under torch.inference_mode, as vLLM 0.34's V2 runner makes them")
     args = ap.parse_args()
@@ -588,8 +589,8 @@ def main():
         ap.error("--forward runs the guarded ops, which --step-guard leaves out (the step guard zeroes at build)")
     cuda = torch.cuda.is_available()
     if args.cuda_path_on_cpu:
-        if cuda or args.forward:
-            ap.error("--cuda-path-on-cpu is for a CPU-only machine, without --forward")
+        if cuda:
+            ap.error("--cuda-path-on-cpu is for a CPU-only machine")
         if args.step_guard:
             ap.error("--cuda-path-on-cpu times deferred builds; the step guard launches its zeroing at "
                      "build, which cannot run on a CPU: run without it")
@@ -599,6 +600,12 @@ def main():
         from gdn_pass.vllm import metadata_hook
 
         metadata_hook._cache_table = lambda caches, device: cuda_zeroing.cpu_table(caches) if caches else None
+        if args.forward:  # the launches would run in Triton's interpreter: counted, not run
+            from gdn_pass.kernels.zero_rows import MAX_GROUPS
+            from gdn_pass.vllm import handoff
+
+            handoff.zero_new_rows_groups = lambda tables, *rest: -(-len(tables) // MAX_GROUPS)
+            handoff.StepHandoff.zero = lambda self, caches, *, whole_table: 1 if whole_table else len(caches)
     device = torch.device("cuda" if cuda else "cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     padded = [tuple(int(n) for n in p.split(":")) for p in args.padded_batches]
