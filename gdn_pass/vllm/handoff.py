@@ -39,7 +39,7 @@ import torch
 from gdn_pass._logging import logger
 from gdn_pass.kernels.zero_rows import CacheTable, zero_new_rows_all, zero_new_rows_groups, zero_rows, zero_rows_all
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm.rows import DecodeRows
+from gdn_pass.vllm.rows import DecodeRows, one_step
 
 __all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "captured_staged_rows", "defer", "deferral_activity",
            "handoff_of", "join", "joint_activity", "new_decode_rows", "note_staged_capture", "resolve_deferred"]
@@ -279,10 +279,12 @@ def resolve_deferred(metadata, *, capturing: bool = False) -> StepHandoff:
     _deferred.clear()
     _deferred_metadata.clear()
     _DEFERRAL_ACTIVITY["resolved_steps"] += 1
-    # The builds resolved here are one step's: they join one JointZeroing whether or not their
-    # step can be told by its host tensors (vLLM 0.34's inference tensors give every build its
-    # own SchedulerRows, rows.scheduler_rows, and ``join`` would start a joint per group).
+    # The builds resolved here are one step's: they join one JointZeroing and read the step's rows
+    # once (``rows.one_step``), whether or not their step can be told by its host tensors (vLLM
+    # 0.34's inference tensors give every build its own SchedulerRows, rows.scheduler_rows, and
+    # ``join`` would start a joint per group).
     _resolving[0] = True
+    one_step(True)
     try:
         for pending, other in noted:
             if other is not None and getattr(other, ATTR, None) is pending:
@@ -291,6 +293,7 @@ def resolve_deferred(metadata, *, capturing: bool = False) -> StepHandoff:
         return handoff.resolve(metadata, capturing) if handoff.resolve is not None else handoff
     finally:
         _resolving[0] = None
+        one_step(False)
 
 
 def _same(value):

@@ -33,7 +33,7 @@ from gdn_pass.metadata import MetadataError, StagedRowMetadata
 from gdn_pass.vllm import compat
 
 __all__ = ["DecodeRows", "HostRows", "SchedulerRows", "fitting_decode_rows", "has_new_rows", "num_computed_tokens",
-           "scheduler_rows", "slot_count_error"]
+           "one_step", "scheduler_rows", "slot_count_error"]
 
 # --- a step's lengths on the host, and its decode rows in vLLM's device tensors ---------------
 
@@ -229,6 +229,23 @@ _inference_host: list[bool] = [False]
 # ``stage_step``). Kept for that build only: ``has_new_rows``, the first thing each build asks,
 # forgets them, and so does the hook after a build it staged (``forget_build_rows``).
 _build_rows: list = [None, None]
+# While builds known to be one step's are resolved together (``one_step``): [True, what the first
+# of them found], that is the step's SchedulerRows, or _NO_NEW_ROWS where it was proven to have no
+# new row without them; [False, None] otherwise.
+_one_step: list = [False, None]
+_NO_NEW_ROWS = object()
+
+
+def one_step(begin: bool) -> None:
+    """Begin (True) or end (False) a run of builds the caller knows to be one step's.
+
+    Within it, the first build's ``has_new_rows`` / ``scheduler_rows`` answer for
+    every later one, even where the step's host tensors cannot tell (vLLM 0.34's
+    inference tensors, which otherwise give every build rows of its own: 15.9 us a
+    build on the H100 host, ``hook_host_time.md``). ``handoff.resolve_deferred``
+    runs its step's deferred builds inside one.
+    """
+    _one_step[0], _one_step[1] = begin, None
 
 
 def _is_step(key: tuple | None, common, starts_cpu: torch.Tensor) -> bool:
@@ -263,6 +280,9 @@ def has_new_rows(common) -> bool:
     step's ``SchedulerRows`` (which builders with new rows read anyway). Same
     answer as ``scheduler_rows(common).num_new != 0`` on every step.
     """
+    if _one_step[0] and _one_step[1] is not None:  # a later build of builds known to be one step's
+        known = _one_step[1]
+        return known is not _NO_NEW_ROWS and known.num_new != 0
     starts_cpu = common.query_start_loc_cpu
     _build_rows[0] = None  # a new build: rows kept for an earlier one are not this one's
     # The identity tests first, inline: on a step's first build both fail at once.
@@ -292,6 +312,8 @@ def has_new_rows(common) -> bool:
                 least = lengths.argmin() if least else None
         if least is None or lengths[least] > bound:
             _last_idle_key[0] = _step_key(common, starts_cpu, tensor, field)
+            if _one_step[0]:
+                _one_step[1] = _NO_NEW_ROWS
             return False
     return scheduler_rows(common).num_new != 0
 
@@ -312,10 +334,12 @@ def scheduler_rows(common) -> SchedulerRows:
     through a numpy view of them would not be seen, and vLLM's runners make
     new tensor objects instead). Tensors without version counters (inference
     tensors: vLLM 0.34's V2 runner) get their rows once per build instead
-    (``_build_rows``).
+    (``_build_rows``), or once for builds known to be one step's (``one_step``).
     """
     if _build_rows[0] is common:
         return _build_rows[1]
+    if _one_step[0] and isinstance(_one_step[1], SchedulerRows):
+        return _one_step[1]
     starts_cpu = common.query_start_loc_cpu
     last = _last_step[0]
     if last is not None and _is_step(last.key, common, starts_cpu):
@@ -339,6 +363,8 @@ def scheduler_rows(common) -> SchedulerRows:
         _last_step[0] = rows
         if rows.key is None:
             _build_rows[0], _build_rows[1] = common, rows
+    if _one_step[0]:
+        _one_step[1] = rows
     return rows
 
 

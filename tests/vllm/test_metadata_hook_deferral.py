@@ -19,7 +19,8 @@ import torch
 
 import vllm.forward_context
 from gdn_pass.metadata import StagedRowMetadata
-from gdn_pass.vllm import handoff, metadata_hook, op_guard
+from gdn_pass.vllm import handoff, metadata_hook, op_guard, rows
+from gdn_pass.vllm.builders.state_builder import StateBuilder
 from gdn_pass.vllm.handoff import ATTR, handoff_of
 from gdn_pass.vllm.step_guard import Owner
 
@@ -144,8 +145,6 @@ def test_inference_host_tensors_still_give_the_step_one_launch(monkeypatch, guar
     can tell that another's step is its own. The deferred builds the step's first guarded op
     resolves are one step's all the same: one launch for the three groups (at 7a3255f, one per
     group: 5 launches a step for 12-layer Bailing on the H100, ``hook_host_time.md``)."""
-    from gdn_pass.vllm import rows
-
     monkeypatch.setattr(rows, "_inference_host", [False])
     built, layers = three_groups(monkeypatch)
     joint_launches = []
@@ -158,10 +157,46 @@ def test_inference_host_tensors_still_give_the_step_one_launch(monkeypatch, guar
     zero_calls.clear()
     metadata = build_step(built, step)
     assert all(deferred(md) for md in metadata.values())
-    forward(monkeypatch, layers, metadata)
+    row_reads = []
+    real_computed = rows.num_computed_tokens
+    with monkeypatch.context() as during_forward:
+        # The step's rows are made once for its three groups (rows.one_step), and no builder's own
+        # rows at all: the launch finds the new rows in vLLM's tensors (_resolve_on_device).
+        during_forward.setattr(rows, "num_computed_tokens", lambda *a: row_reads.append(1) or real_computed(*a))
+        during_forward.setattr(StateBuilder, "stage_step", lambda *a, **k: pytest.fail("the builder's own rows read"))
+        forward(monkeypatch, layers, metadata)
+    assert len(row_reads) == 1, f"the step's rows read {len(row_reads)} times for three groups"
     assert_new_rows_zeroed(layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a cache zeroed twice or never"
     assert joint_launches == [3], "not one launch for the step's three groups"
+
+
+@needs_a_table
+@pytest.mark.parametrize("pad_to", [None, 8], ids=["unpadded", "full_graph_padding"])
+def test_a_step_with_several_new_rows_counts_them_from_the_steps_rows(monkeypatch, guarded, zero_calls, pad_to):
+    """Three new rows among five decodes (and a FULL graph's padding rows, no token, length 0): each
+    group's hand-off counts the three (the reference: the test's own computed counts), and the
+    forward zeroes their slots in every group, and no other slot."""
+    built, layers = three_groups(monkeypatch)
+    computed = [0, 9, 0, 30, 0]
+    blocks = [1, 2, 3, 4, 5]
+    common = common_metadata(computed, [1] * 5, pad_to=pad_to)
+    table = blocks + [0] * (common.num_reqs - len(blocks))
+    step = dataclasses.replace(common, block_table_tensor=torch.tensor([[b] for b in table], dtype=torch.int32))
+    zero_calls.clear()
+    metadata = build_step(built, step)
+    assert all(deferred(md) for md in metadata.values())
+    forward(monkeypatch, layers, metadata)
+    expected_fresh = sum(c == 0 for c in computed)
+    assert [handoff_of(md).host_fresh for md in metadata.values()] == [expected_fresh] * len(metadata)
+    new_blocks = [b for b, c in zip(blocks, computed) if c == 0]
+    for g, names in enumerate(GROUPS):
+        zeroed_slots = [b + g for b in new_blocks]
+        for name in names:
+            for cache in layers[name].kv_cache:
+                assert cache[zeroed_slots].eq(0).all(), f"group {g}: a new row's slot not zeroed"
+                others = [s for s in range(NUM_SLOTS) if s not in zeroed_slots]
+                assert (cache[others].isnan() | cache[others].eq(6.0)).all(), f"group {g}: another slot changed"
 
 
 @needs_a_table
@@ -299,4 +334,4 @@ def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, gu
 
 def test_every_case_again_on_the_cuda_zeroing_path(monkeypatch, guarded):
     skip_where_builds_keep_decodes([engine(monkeypatch, compiled=True, layer_names=GROUPS[0], full_graphs=True)])
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=11)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=13)

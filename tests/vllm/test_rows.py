@@ -173,6 +173,39 @@ def test_inference_tensors_rows_are_computed_once_per_build_and_not_kept_for_the
         assert rows.scheduler_rows(common) is not first and len(computed_calls) == 3
 
 
+@pytest.mark.parametrize("new_row", [True, False], ids=["new_row", "no_new_row"])
+def test_builds_of_one_step_read_its_rows_once(monkeypatch, new_row):
+    """Inside ``one_step`` (a guarded op resolving one step's deferred builds) the first build's answer
+    holds for the step's later builds, though their inference tensors cannot say they are one step's:
+    the host lengths are read once, not once per group. After it, a refill in place is seen again."""
+    monkeypatch.setattr(rows, "_one_step", [False, None])
+    reads = []
+    real = rows.host_lengths
+    monkeypatch.setattr(rows, "host_lengths", lambda c: reads.append(1) or real(c))
+    with torch.inference_mode():
+        common = step([30, 0 if new_row else 4, 5], [1, 1, 1], "seq_lens_cpu")
+    reads_per_build = []
+    rows.one_step(True)
+    try:
+        for group in range(3):
+            build = copy.copy(common)  # each group's metadata: a shallow copy of the step's
+            assert rows.has_new_rows(build) is new_row, f"group {group}"
+            if new_row:
+                assert rows.scheduler_rows(build).new.tolist() == [False, True, False]
+                assert rows.scheduler_rows(build).new_among_first(1) == 0
+                assert rows.scheduler_rows(build).new_among_first(2) == 1
+            reads_per_build.append(len(reads) - sum(reads_per_build))
+    finally:
+        rows.one_step(False)
+    assert reads_per_build[0] > 0 and reads_per_build[1:] == [0, 0], \
+        f"host lengths read per build: {reads_per_build} (the later groups must read none)"
+    with torch.inference_mode():
+        common.seq_lens_cpu[1] = 1 if not new_row else 13  # refilled in place: the answer flips
+    before = len(reads)
+    assert rows.has_new_rows(common) is not new_row
+    assert len(reads) > before, "after one_step a build reads its step again"
+
+
 def test_decode_rows_only_where_vllms_own_tensors_say_which_rows_are_new():
     """``decode_rows`` hands the zeroing launch vLLM's tensors only on steps without
     speculative rows whose tensors cover the decode rows; otherwise
