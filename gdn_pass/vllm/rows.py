@@ -206,8 +206,9 @@ class SchedulerRows:
     new_before: np.ndarray | None = None
 
     def new_among_first(self, rows: int) -> int:
-        if self.num_new == 0:
-            return 0
+        """How many of the first ``rows`` rows are new (all of them where ``rows`` covers the step)."""
+        if self.num_new == 0 or rows >= self.new.size:
+            return self.num_new
         if self.new_before is None:
             self.new_before = np.zeros(self.new.size + 1, dtype=np.int64)
             np.cumsum(self.new, out=self.new_before[1:])

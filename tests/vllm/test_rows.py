@@ -194,6 +194,8 @@ def test_builds_of_one_step_read_its_rows_once(monkeypatch, new_row):
                 assert rows.scheduler_rows(build).new.tolist() == [False, True, False]
                 assert rows.scheduler_rows(build).new_among_first(1) == 0
                 assert rows.scheduler_rows(build).new_among_first(2) == 1
+                assert rows.scheduler_rows(build).new_among_first(3) == 1
+                assert rows.scheduler_rows(build).new_among_first(8) == 1  # past the step's rows
             reads_per_build.append(len(reads) - sum(reads_per_build))
     finally:
         rows.one_step(False)
