@@ -433,12 +433,14 @@ def in_context(builders, steps: Steps, rounds: int, sync) -> dict[str, dict[str,
     return result
 
 
-def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str, float]:
+def deferred_breakdown(builders, steps: Steps, fresh_steps: Steps | None = None,
+                       number: int = 20000) -> dict[str, float]:
     """Where a deferred step without new rows spends the hook's time, line by line, in us (each
     piece alone, best of 5 runs of ``number`` calls), as the hook's wrapper of ``build``'s own
     parameters (or ``metadata_hook._guard_step``, the generic wrapper's) runs a build it defers, and what the step's first guarded op adds when it resolves every group's deferred
     build (``handoff.resolve_deferred``; a replayed FULL graph's step runs no guarded op and skips
-    it). Empty where the builders do not defer (not the op guard's groups on the CUDA path in an
+    it); with ``fresh_steps``, the same resolution of a step with a new row and its zeroing
+    (``_deferred_fresh_lines``). Empty where the builders do not defer (not the op guard's groups on the CUDA path in an
     engine that captures FULL graphs: ``--cuda-path-on-cpu`` or CUDA)."""
     import timeit
 
@@ -481,7 +483,43 @@ def deferred_breakdown(builders, steps: Steps, number: int = 20000) -> dict[str,
         f"the step's first guarded op: resolve_deferred, {len(builders)} groups, no new row":
             best(defer_and_resolve) - best(defer_all),
     }
+    if fresh_steps is not None:
+        spent.update(_deferred_fresh_lines(builders, states, plain, fresh_steps, best))
     return {name: round(us, 2) for name, us in spent.items()}
+
+
+def _deferred_fresh_lines(builders, states, plain, steps: Steps, best) -> dict[str, float]:
+    """The same for a deferred step with a new row: what the step's first guarded op adds resolving
+    every group's deferred build (the step's rows, each group's count and hand-off, the joint), and
+    then what its zeroing adds (``JointZeroing.zero``: on CUDA the one launch for every group, on
+    ``--cuda-path-on-cpu`` the launch counted, not run)."""
+    from gdn_pass.vllm import handoff, metadata_hook, rows
+
+    base = steps.common()
+    calls = [dict(common_prefix_len=0, common_attn_metadata=copy.copy(base)) for _ in builders]
+    metadata = [plain(b, **kwargs) for b, kwargs in zip(builders, calls)]
+
+    def defer_all():
+        rows._last_idle_key[0] = None
+        for b, s, c, m in zip(builders, states, calls, metadata):
+            metadata_hook._guard_step(b, s, plain, (), c, m)
+
+    def defer_and_resolve():
+        defer_all()
+        return handoff.resolve_deferred(metadata[0])
+
+    def defer_resolve_and_zero():
+        joint = defer_and_resolve().joint
+        if joint is None:
+            raise RuntimeError("a deferred step with a new row joined no joint zeroing")
+        joint.zero()
+
+    resolved = best(defer_and_resolve)
+    n = len(builders)
+    return {
+        f"the step's first guarded op: resolve_deferred, {n} groups, one new row": resolved - best(defer_all),
+        f"  then the joint zeroing of the {n} groups (one launch)": best(defer_resolve_and_zero) - resolved,
+    }
 
 
 def fresh_breakdown(builders, steps: Steps, number: int = 5000) -> dict[str, float]:
@@ -644,7 +682,8 @@ def main():
         idle_steps = Steps(max(args.batches), 0, device, inference=args.inference_host_tensors)
         breakdown = idle_breakdown(builders, idle_steps)
         print(json.dumps(breakdown, indent=1), flush=True)
-        deferred_lines = deferred_breakdown(builders, idle_steps)
+        deferred_lines = deferred_breakdown(builders, idle_steps,
+                                            Steps(8, 1, device, inference=args.inference_host_tensors))
         print(json.dumps(deferred_lines, indent=1), flush=True)
         fresh_lines = fresh_breakdown(builders, Steps(8, 1, device, inference=args.inference_host_tensors))
         print(json.dumps(fresh_lines, indent=1), flush=True)
@@ -687,8 +726,8 @@ def main():
         table += ["", f"A step without new rows (B = {max(args.batches)}), each line alone, us:", "",
                   "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in breakdown.items()]
     if deferred_lines:
-        table += ["", f"A deferred step without new rows (B = {max(args.batches)}), each line alone, us "
-                  "(a replayed FULL graph's step pays the builds' lines only):", "",
+        table += ["", f"A deferred step without new rows (B = {max(args.batches)}; the last two lines: with one "
+                  "new row, B = 8), each line alone, us (a replayed FULL graph's step pays the builds' lines only):", "",
                   "| line | us |", "|---|---|"] + [f"| {name.strip()} | {us} |" for name, us in deferred_lines.items()]
     if fresh_lines:
         table += ["", "A step with one fresh row (B = 8), a later build, each line alone, us "
