@@ -527,7 +527,8 @@ def _resolve_on_device(state: BuilderState, common, metadata) -> bool:
 
     The count is the entry's ``HostRows.fresh``: a deferred step has no row of more than one token,
     so the builders' prefill runs, whose kernels start new rows from zero, are empty, and the rows
-    to zero are the new rows among the decode rows (asserted against ``stage_step`` in the tests)."""
+    to zero are the new rows among the decode rows (``test_metadata_hook_deferral.py`` checks the count
+    against the step's own computed counts, FULL-graph padding rows included)."""
     _, table = _group_state(state)
     decode = state.entry.decode_rows(common, metadata, state.rows.max_rows)
     if decode is None or decode.slots.dim() != 1:  # a speculative row's columns: the entry's own rows count them
