@@ -197,7 +197,7 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
 
     from gdn_pass.vllm import handoff
 
-    joint_before = handoff.joint_activity()
+    joint_before, deferral_before = handoff.joint_activity(), handoff.deferral_activity()
     tokens_left = new_decoders(0)
     on, off, ratios, thread_ratios = [], [], [], []
     host_us, builds_us, guard_us, stood_down_guard_us = [], [], [], []
@@ -229,6 +229,9 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
     # The op guard's zeroing in the case's steps with the hook on (its counters): steps whose groups
     # it zeroed together, over how many groups, in how many launches (one per step where joined).
     joint = {k: v - joint_before[k] for k, v in handoff.joint_activity().items()}
+    # Whether the case's builds were deferred (a replayed FULL graph's step then costs the wrappers
+    # only), and where not, why (decided at each group's first build).
+    deferral = handoff.deferral_activity()
     q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
     low, high = median_interval(ratios)
     thread_low, thread_high = median_interval(thread_ratios)
@@ -244,7 +247,10 @@ def case(llm, switch: HookSwitch, batch: int, fresh: int, pairs: int, window_ste
                 hook_us_ci95=[round(v, 2) for v in median_interval(host_us)],
                 builds_us=round(statistics.median(builds_us), 2), op_guard_us=round(statistics.median(guard_us), 2),
                 stood_down_op_guard_us=round(statistics.median(stood_down_guard_us), 2),
-                joint_steps=joint["steps"], joint_groups=joint["groups"], joint_launches=joint["launches"])
+                joint_steps=joint["steps"], joint_groups=joint["groups"], joint_launches=joint["launches"],
+                deferred_builds=deferral["deferred_builds"] - deferral_before["deferred_builds"],
+                resolved_steps=deferral["resolved_steps"] - deferral_before["resolved_steps"],
+                staged_capture=deferral["staged_capture"], not_deferred=deferral["not_deferred"])
 
 
 def render(result: dict) -> str:
@@ -265,6 +271,14 @@ def render(result: dict) -> str:
                      f"{r['stood_down_op_guard_us']:.1f} | "
                      f"{r['pairs']} x {r['window_steps']} | "
                      f"{r.get('joint_steps', '')}, {r.get('joint_groups', '')}, {r.get('joint_launches', '')} |")
+    not_deferred = {k: v for r in result["cases"] for k, v in r.get("not_deferred", {}).items()}
+    if result["cases"] and "deferred_builds" in result["cases"][0]:
+        lines += ["", "Deferred builds (hook on) per case: " + ", ".join(
+            f"B = {r['batch']} fresh {r['fresh']}: {r['deferred_builds']}, {r['resolved_steps']} steps resolved"
+            for r in result["cases"])
+            + ("; a capture zeroed through staged rows (no build deferred after it)"
+               if any(r["staged_capture"] for r in result["cases"]) else "")
+            + "".join(f"; {key} not deferred: {why}" for key, why in not_deferred.items())]
     return "\n".join(lines) + "\n"
 
 

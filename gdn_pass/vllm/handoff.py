@@ -42,7 +42,8 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm.rows import DecodeRows, one_step
 
 __all__ = ["ATTR", "JointZeroing", "StepHandoff", "attach", "captured_staged_rows", "defer", "deferral_activity",
-           "handoff_of", "join", "joint_activity", "new_decode_rows", "note_staged_capture", "resolve_deferred"]
+           "handoff_of", "join", "joint_activity", "new_decode_rows", "note_not_deferred", "note_staged_capture",
+           "resolve_deferred"]
 
 # The one attribute of vLLM's metadata object that gdn-pass sets.
 ATTR = "gdn_pass_handoff"
@@ -246,9 +247,10 @@ def attach(metadata, handoff: StepHandoff):
 # thread).
 _deferred: list[StepHandoff] = []
 _deferred_metadata: list[weakref.ref] = []
-# Steps whose deferred builds a guarded op resolved in this process, for reports and tests
-# (``deferral_activity``).
-_DEFERRAL_ACTIVITY = {"resolved_steps": 0}
+# Builds deferred and steps whose deferred builds a guarded op resolved in this process, for reports
+# and tests (``deferral_activity``); and, per registry entry, why a group's builds are not deferred.
+_DEFERRAL_ACTIVITY = {"deferred_builds": 0, "resolved_steps": 0}
+_NOT_DEFERRED: dict[str, str] = {}
 # Set once a FULL CUDA graph's capture zeroed through staged rows (``note_staged_capture``): its
 # replays read the staged buffers, which only a build refreshes, so no build may be deferred.
 _staged_capture: list[bool] = [False]
@@ -266,6 +268,7 @@ def defer(metadata, pending: StepHandoff):
         ref = functools.partial(_same, metadata)
     _deferred.append(pending)
     _deferred_metadata.append(ref)
+    _DEFERRAL_ACTIVITY["deferred_builds"] += 1
     setattr(metadata, ATTR, pending)
     return metadata
 
@@ -301,9 +304,17 @@ def _same(value):
 
 
 def deferral_activity() -> dict:
-    """``{"resolved_steps": n}``: steps whose deferred builds a guarded op resolved (a replayed FULL
-    graph's steps resolve none)."""
-    return dict(_DEFERRAL_ACTIVITY)
+    """What deferral did in this process: ``deferred_builds``, the builds that only attached their
+    deferred hand-off; ``resolved_steps``, the steps whose deferred builds a guarded op resolved (a
+    replayed FULL graph's steps resolve none); ``staged_capture``, whether a FULL graph's capture
+    zeroed through staged rows, which stops deferral (``note_staged_capture``); ``not_deferred``,
+    registry key -> why that builder's groups are checked at build instead."""
+    return dict(_DEFERRAL_ACTIVITY, staged_capture=_staged_capture[0], not_deferred=dict(_NOT_DEFERRED))
+
+
+def note_not_deferred(key: str, why: str) -> None:
+    """A group of registry entry ``key`` checks its steps at build, for ``why`` (its first build)."""
+    _NOT_DEFERRED.setdefault(key, why)
 
 
 def note_staged_capture() -> None:

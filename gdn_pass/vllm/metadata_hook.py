@@ -68,7 +68,8 @@ from gdn_pass.metadata import StagedRowMetadata
 from gdn_pass.vllm import (accepted_counts, builders, compat, draftless_steps, piecewise, prompt_chunks,
                            step_guard, support)
 from gdn_pass.vllm.configured import SERVE_PASS, configured_pass
-from gdn_pass.vllm.handoff import ATTR, StepHandoff, attach, captured_staged_rows, defer, join
+from gdn_pass.vllm.handoff import (ATTR, StepHandoff, attach, captured_staged_rows, defer, join,
+                                   note_not_deferred)
 from gdn_pass.vllm.rows import forget_build_rows, has_new_rows, scheduler_rows
 
 __all__ = ["BuilderState", "state_of", "install", "is_installed"]
@@ -123,7 +124,7 @@ class BuilderState:
     # FULL CUDA graph's capture (``_capture_handoff``).
     idle: StepHandoff | None = None
     common: object = None
-    # The hand-off a build only attaches where the op guard owns the group (``_deferrable``): the
+    # The hand-off a build only attaches where the op guard owns the group (``_why_not_deferred``): the
     # step's first guarded op makes the step's rows (``handoff.resolve_deferred``), and a FULL CUDA
     # graph's replay, which runs no guarded op's Python, never makes them on the host.
     deferred: StepHandoff | None = None
@@ -378,7 +379,7 @@ def _one_token_step_as_decodes(original_build, builder, args: tuple, kwargs: dic
 def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata,
                 inputs: tuple | None = None):
     """Stage the step's rows to zero, and zero them here where the step guard owns the group; or,
-    where the group's builds are deferred (``_deferrable``), vLLM's runner calls this one with its
+    where the group's builds are deferred (``_why_not_deferred``), vLLM's runner calls this one with its
     inputs by keyword, not for a CUDA graph's capture (``BuilderState.capture_builds``), and every
     row of the step has at most one token (the steps a FULL decode graph can replay), leave that to
     the step's first guarded op. The wrapper of ``build``'s own parameters runs this deferred
@@ -456,9 +457,12 @@ def _stage_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         owner = state.owner = _decide_owner(state)
         state.idle = StepHandoff(rows, 0, None, None, owner is _STEP,
                                  in_capture=functools.partial(_capture_handoff, state))
-        if _deferrable(builder, state):
+        why_not = _why_not_deferred(builder, state)
+        if why_not is None:
             state.deferred = StepHandoff(rows, None, None, None, False,
                                          resolve=functools.partial(_resolve, builder, state, original_build))
+        else:
+            note_not_deferred(state.entry.key, why_not)
     step_owned = owner is _STEP
     fresh, decode = state.entry.stage_step(rows, common, metadata, draft_counts, on_device=table is not None)
     handoff = StepHandoff(rows, fresh, table, decode, step_owned)
@@ -480,18 +484,30 @@ def _capture_handoff(state: BuilderState, metadata) -> StepHandoff:
     return StepHandoff(rows, 0, table, decode, state.owner is _STEP)
 
 
-def _deferrable(builder, state: BuilderState) -> bool:
-    """Whether this group's builds may leave the step's rows to its first guarded op: the op guard
-    owns it, on CUDA (a cache table), in an engine that replays FULL CUDA graphs (whose steps then
-    read no row on the host), and the build changes nothing before vLLM's (no rows kept for other
-    groups, no decodes kept, no prompt chunks, not only padded rows) nor speculates (a speculative
-    step's new rows are the host's to say). Elsewhere every step runs its guarded ops, and deferring
-    would only add to them."""
-    return (state.owner is step_guard.Owner.OP and state.table is not None
-            and support.captures_full_graphs(state.context.vllm_config)
-            and not getattr(builder, "use_spec_decode", False)
-            and not state.shares_metadata and not state.keeps_decodes
-            and state.prompt_chunks is None and not state.padded_rows_only and not state.step_guard_only)
+def _why_not_deferred(builder, state: BuilderState) -> str | None:
+    """None where this group's builds may leave the step's rows to its first guarded op; else why not.
+
+    Deferred: the op guard owns it, on CUDA (a cache table), in an engine that replays FULL CUDA
+    graphs (whose steps then read no row on the host), and the build changes nothing before vLLM's
+    (no rows kept for other groups, no decodes kept, no prompt chunks, not only padded rows) nor
+    speculates (a speculative step's new rows are the host's to say). Elsewhere every step runs its
+    guarded ops, and deferring would only add to them. Decided at the group's first build; the
+    reason is reported (``handoff.deferral_activity``)."""
+    if state.owner is not step_guard.Owner.OP or state.step_guard_only or state.padded_rows_only:
+        return "the step guard zeroes the group at build"
+    if state.table is None:
+        return "no CUDA cache table at the group's first build (CPU caches, or none bound yet)"
+    if not support.captures_full_graphs(state.context.vllm_config):
+        return "the engine captures no FULL CUDA graph"
+    if getattr(builder, "use_spec_decode", False):
+        return "speculative decoding (the host says a speculative step's new rows)"
+    if state.shares_metadata:
+        return "other groups' metadata is derived from this group's builds (update_block_table)"
+    if state.keeps_decodes:
+        return "one-token steps are kept on the decode path at build"
+    if state.prompt_chunks is not None:
+        return "prompt chunks are repaired at build"
+    return None
 
 
 def _resolve(builder, state: BuilderState, original_build, metadata, capturing: bool) -> StepHandoff:

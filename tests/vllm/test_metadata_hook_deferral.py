@@ -36,7 +36,7 @@ needs_a_table = pytest.mark.skipif(not on_the_cuda_path(), reason="deferral need
 
 KEEPS_DECODES = ("this release's GDN builder reroutes fresh rows itself (0.31+): where gdn-pass acts on it, "
                  "it keeps one-token steps on the decode path, and such builds are never deferred "
-                 "(metadata_hook._deferrable)")
+                 "(metadata_hook._why_not_deferred)")
 
 
 def skip_where_builds_keep_decodes(built) -> None:
@@ -325,13 +325,36 @@ def test_a_step_with_a_prompt_row_checks_its_step_at_build(monkeypatch, guarded,
 
 def test_where_no_full_graph_replays_every_build_checks_its_step(monkeypatch, guarded, zero_calls):
     """Where every step runs its guarded ops, deferring would only add to them: on CPU (no cache
-    table), and on CUDA in an engine that captures no FULL graph, each build checks its step."""
+    table), and on CUDA in an engine that captures no FULL graph, each build checks its step, and
+    the report says why."""
+    monkeypatch.setattr(handoff, "_NOT_DEFERRED", {})
     built, layers = three_groups(monkeypatch, full_graphs=not on_the_cuda_path(), deferring=False)
     zero_calls.clear()
+    before = handoff.deferral_activity()
     assert_checked_at_build_and_zeroed(monkeypatch, built, layers)
     assert sorted(ptr for who, ptr in zero_calls) == caches_of(layers), "a cache zeroed twice or never"
+    report = handoff.deferral_activity()
+    assert report["deferred_builds"] == before["deferred_builds"]
+    key = metadata_hook.state_of(built[0][0]).entry.key
+    expected = "captures no FULL CUDA graph" if on_the_cuda_path() else "no CUDA cache table"
+    assert expected in report["not_deferred"][key], report["not_deferred"]
+
+
+@needs_a_table
+def test_deferred_builds_are_counted_and_no_reason_is_reported(monkeypatch, guarded, zero_calls):
+    """The report an engine run carries (``handoff.deferral_activity``): every deferred build counted,
+    no reason against deferral for a group that defers, no capture through staged rows."""
+    monkeypatch.setattr(handoff, "_NOT_DEFERRED", {})
+    built, layers = three_groups(monkeypatch)
+    before = handoff.deferral_activity()
+    metadata = build_step(built)
+    forward(monkeypatch, layers, metadata)
+    report = handoff.deferral_activity()
+    assert report["deferred_builds"] - before["deferred_builds"] == len(built)
+    assert report["resolved_steps"] - before["resolved_steps"] == 1
+    assert report["not_deferred"] == {} and report["staged_capture"] is False
 
 
 def test_every_case_again_on_the_cuda_zeroing_path(monkeypatch, guarded):
     skip_where_builds_keep_decodes([engine(monkeypatch, compiled=True, layer_names=GROUPS[0], full_graphs=True)])
-    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=13)
+    run_module_on_the_cuda_path(__file__, "test_every_case_again_on_the_cuda_zeroing_path", expected_passed=14)
