@@ -402,9 +402,10 @@ def _guard_step(builder, state: BuilderState, original_build, args: tuple, kwarg
 
 
 def _check_step(builder, state: BuilderState, original_build, args: tuple, kwargs: dict, metadata,
-                inputs: tuple | None = None):
+                inputs: tuple | None = None, resolving: bool = False):
     """``_guard_step`` of a build whose step's rows are made now: at the build, or (a deferred
-    build) at the step's first guarded op (``_resolve``)."""
+    build, ``resolving``) at the step's first guarded op (``_resolve``), where a step with a new
+    row takes the lean path where it can (``_resolve_on_device``)."""
     if inputs is not None:
         common, draft_counts = inputs
     else:
@@ -412,6 +413,8 @@ def _check_step(builder, state: BuilderState, original_build, args: tuple, kwarg
         if common is None:  # by position (a CUDA graph's capture, build_for_cudagraph_capture)
             common, draft_counts = compat.step_inputs(original_build, builder, args, kwargs)
     if state.idle is not None and _attach_idle(state, common, metadata):
+        return metadata
+    if resolving and _resolve_on_device(state, common, metadata):
         return metadata
     return _stage_new_step(builder, state, original_build, args, kwargs, metadata, common, draft_counts)
 
@@ -521,13 +524,7 @@ def _resolve(builder, state: BuilderState, original_build, metadata, capturing: 
         handoff = _capture_handoff(state, metadata)
         attach(metadata, handoff)
         return handoff
-    common = kwargs.get("common_attn_metadata")
-    if common is None:
-        common, _ = compat.step_inputs(original_build, builder, args, kwargs)
-    if state.idle is not None and _attach_idle(state, common, metadata):
-        return state.idle
-    if not _resolve_on_device(state, common, metadata):
-        _stage_new_step(builder, state, original_build, args, kwargs, metadata, common, _UNREAD)
+    _check_step(builder, state, original_build, args, kwargs, metadata, resolving=True)
     return getattr(metadata, ATTR)
 
 
