@@ -444,29 +444,18 @@ def deferred_breakdown(builders, steps: Steps, fresh_steps: Steps | None = None,
     engine that captures FULL graphs: ``--cuda-path-on-cpu`` or CUDA)."""
     import timeit
 
-    from gdn_pass.vllm import handoff, metadata_hook, rows
+    from gdn_pass.vllm import handoff, metadata_hook
 
     states = [metadata_hook.state_of(b) for b in builders]
     if any(state.deferred is None for state in states):
         return {}
     builder, state = builders[-1], states[-1]
     plain = type(builder).build.__wrapped__
-    base = steps.common()
-    calls = [dict(common_prefix_len=0, common_attn_metadata=copy.copy(base)) for _ in builders]
-    metadata = [plain(b, **kwargs) for b, kwargs in zip(builders, calls)]
+    calls, metadata, defer_all, defer_and_resolve = _deferred_step(builders, states, plain, steps)
     kwargs, last = calls[-1], metadata[-1]
 
     def best(fn) -> float:
         return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
-
-    def defer_all():  # the step's builds, each deferred; the step's check is made again (a new step)
-        rows._last_idle_key[0] = None
-        for b, s, c, m in zip(builders, states, calls, metadata):
-            metadata_hook._guard_step(b, s, plain, (), c, m)
-
-    def defer_and_resolve():
-        defer_all()
-        handoff.resolve_deferred(metadata[0])
 
     hooked = type(builder).build
     spent = {
@@ -488,11 +477,11 @@ def deferred_breakdown(builders, steps: Steps, fresh_steps: Steps | None = None,
     return {name: round(us, 2) for name, us in spent.items()}
 
 
-def _deferred_fresh_lines(builders, states, plain, steps: Steps, best) -> dict[str, float]:
-    """The same for a deferred step with a new row: what the step's first guarded op adds resolving
-    every group's deferred build (the step's rows, each group's count and hand-off, the joint), and
-    then what its zeroing adds (``JointZeroing.zero``: on CUDA the one launch for every group, on
-    ``--cuda-path-on-cpu`` the launch counted, not run)."""
+def _deferred_step(builders, states, plain, steps: Steps):
+    """One step of ``steps`` built by vLLM for every builder: its calls, its metadata, and two
+    timeable functions, ``defer_all`` (each build deferred, the step's check made again as for a new
+    step) and ``defer_and_resolve`` (then the step's first guarded op's resolution, its hand-off
+    returned)."""
     from gdn_pass.vllm import handoff, metadata_hook, rows
 
     base = steps.common()
@@ -507,6 +496,16 @@ def _deferred_fresh_lines(builders, states, plain, steps: Steps, best) -> dict[s
     def defer_and_resolve():
         defer_all()
         return handoff.resolve_deferred(metadata[0])
+
+    return calls, metadata, defer_all, defer_and_resolve
+
+
+def _deferred_fresh_lines(builders, states, plain, steps: Steps, best) -> dict[str, float]:
+    """The same for a deferred step with a new row: what the step's first guarded op adds resolving
+    every group's deferred build (the step's rows, each group's count and hand-off, the joint), and
+    then what its zeroing adds (``JointZeroing.zero``: on CUDA the one launch for every group, on
+    ``--cuda-path-on-cpu`` the launch counted, not run)."""
+    _, _, defer_all, defer_and_resolve = _deferred_step(builders, states, plain, steps)
 
     def defer_resolve_and_zero():
         joint = defer_and_resolve().joint
